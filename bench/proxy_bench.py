@@ -1,0 +1,177 @@
+"""Added latency and throughput of runcap versus calling the scripted upstream directly.
+
+Three processes on 127.0.0.1: the scripted upstream (`runcap mock-upstream`), runcap
+(`runcap serve`, embedded SQLite ledger, caps on every request) and the load generator
+(`bench.loadgen`). For each scenario the same load runs against the upstream directly and then
+through runcap, back to back, and both runs are reported: the machine is shared and noisy, so a
+pair measured together is the only fair comparison.
+
+Scenarios (small bodies, non-streaming and streaming):
+  open loop at 20 and 200 req/s — latency p50/p99 from the *scheduled* send time, so queueing shows;
+  closed loop at concurrency 64 — maximum throughput.
+
+Every request through runcap carries `X-Run-Max-Usd` (and no run id, so each request is a new
+run): the full reserve → forward → settle path with a ledger write on both sides.
+
+    .venv/bin/python -m bench.proxy_bench [--duration 10] [--workers 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import Result, run_subprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 32}
+CAP_HEADERS = {"X-Run-Max-Usd": "1000", "X-Run-Max-Steps": "100"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port} within 30 s")
+
+
+def start(argv: list[str], port: int, what: str, log: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "ab"),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    wait_port(port, proc, what)
+    return proc
+
+
+def summarize(r: Result) -> dict[str, Any]:
+    return {
+        "ok": r.ok,
+        "errors": r.errors,
+        "rate": round(r.achieved_rate, 1),
+        "p50_ms": round(r.latency_ms.get("p50", float("nan")), 3),
+        "p99_ms": round(r.latency_ms.get("p99", float("nan")), 3),
+        **({"ttfb_p50_ms": round(r.ttfb_ms.get("p50", float("nan")), 3)} if r.stream and r.ttfb_ms else {}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per run (default 10)")
+    ap.add_argument("--workers", type=int, default=1, help="runcap serve --workers (default 1)")
+    ap.add_argument("--rates", default="20,200", help="open-loop rates (default 20,200)")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
+    up_port, rc_port = free_port(), free_port()
+    (tmp / "runcap.toml").write_text(
+        f'log_requests = false\n[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+    )
+    runcap = [sys.executable, "-m", "proxy.cli"]
+    procs = []
+    results: list[dict[str, Any]] = []
+    try:
+        procs.append(
+            start(
+                [*runcap, "mock-upstream", "--listen", f"127.0.0.1:{up_port}"],
+                up_port,
+                "upstream",
+                tmp / "upstream.log",
+            )
+        )
+        serve = [*runcap, "serve", "--config", str(tmp / "runcap.toml"), "--listen", f"127.0.0.1:{rc_port}"]
+        serve += ["--data-dir", str(tmp / "data"), "--workers", str(args.workers)]
+        procs.append(start(serve, rc_port, "runcap", tmp / "runcap.log"))
+        direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+        proxied = f"http://127.0.0.1:{rc_port}/v1/chat/completions"
+        # Warm both paths (connection pools, price book, SQLite pages).
+        for url in (direct, proxied):
+            run_subprocess(url, BODY, CAP_HEADERS, concurrency=8, duration_s=1.0)
+
+        scenarios: list[tuple[str, dict[str, Any]]] = []
+        for stream in (False, True):
+            for rate in (float(x) for x in args.rates.split(",")):
+                scenarios.append(
+                    (f"open {rate:g} req/s{' stream' if stream else ''}", {"rate": rate, "stream": stream})
+                )
+            scenarios.append(
+                (
+                    f"closed c={args.concurrency}{' stream' if stream else ''}",
+                    {"concurrency": args.concurrency, "stream": stream},
+                )
+            )
+        for name, kw in scenarios:
+            body = {**BODY, "stream": kw["stream"]}
+            d = run_subprocess(direct, body, {}, duration_s=args.duration, **kw)
+            p = run_subprocess(proxied, body, CAP_HEADERS, duration_s=args.duration, **kw)
+            row = {"scenario": name, "direct": summarize(d), "runcap": summarize(p)}
+            if "rate" in kw:
+                row["added_p50_ms"] = round(row["runcap"]["p50_ms"] - row["direct"]["p50_ms"], 3)
+                row["added_p99_ms"] = round(row["runcap"]["p99_ms"] - row["direct"]["p99_ms"], 3)
+            else:
+                row["throughput_ratio"] = (
+                    round(p.achieved_rate / d.achieved_rate, 3) if d.achieved_rate else None
+                )
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    _print_table(results)
+    return 0
+
+
+def _print_table(results: list[dict[str, Any]]) -> None:
+    print()
+    print(
+        f"{'scenario':<24} {'direct p50/p99 ms':>18} {'runcap p50/p99 ms':>18} "
+        f"{'added p50/p99':>14} {'rate d/r':>16}"
+    )
+    for r in results:
+        d, p = r["direct"], r["runcap"]
+        added = (
+            f"{r['added_p50_ms']:.2f}/{r['added_p99_ms']:.2f}"
+            if "added_p50_ms" in r
+            else f"x{r['throughput_ratio']}"
+        )
+        print(
+            f"{r['scenario']:<24} {d['p50_ms']:>8.2f}/{d['p99_ms']:<9.2f} "
+            f"{p['p50_ms']:>8.2f}/{p['p99_ms']:<9.2f} "
+            f"{added:>14} {d['rate']:>7.0f}/{p['rate']:<8.0f}"
+            + (f"  errors d={d['errors']} r={p['errors']}" if d["errors"] or p["errors"] else "")
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

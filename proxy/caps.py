@@ -1,0 +1,189 @@
+"""Run headers → `RunRequest`: the run id, its task, and the caps this request asks for.
+
+Header values are validated strictly (a malformed value is a 400 naming the header, never a cap
+silently ignored), clamped by the operator's ceilings, and completed with the operator's defaults
+when absent. Whether the caps are new or lower an existing run's caps is the ledger's business:
+caps are fixed when the run is first seen and later requests may only lower them.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal, InvalidOperation
+
+from proxy.config import CapsConfig
+from proxy.errors import InvalidRequest
+from proxy.money import usd_to_nanos
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_INT_RE = re.compile(r"^\s*\d{1,18}\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class RunCaps:
+    """Per-run caps; None = no cap. Money in nano-dollars, deadline in Unix seconds."""
+
+    max_usd_nanos: int | None = None
+    max_tokens: int | None = None
+    max_steps: int | None = None
+    max_tool_calls: int | None = None
+    deadline: float | None = None
+    # Relative deadline (seconds after the run's first request); resolved by the ledger when the
+    # run is created, because only the ledger knows when that was.
+    timeout_s: float | None = None
+
+    def lowered_by(self, other: RunCaps) -> RunCaps:
+        """The tighter of two sets of caps, cap by cap (None is no cap)."""
+        return RunCaps(
+            _min(self.max_usd_nanos, other.max_usd_nanos),
+            _min(self.max_tokens, other.max_tokens),
+            _min(self.max_steps, other.max_steps),
+            _min(self.max_tool_calls, other.max_tool_calls),
+            _min(self.deadline, other.deadline),
+            None,
+        )
+
+    def resolve_deadline(self, started_at: float) -> RunCaps:
+        if self.timeout_s is None:
+            return self
+        return RunCaps(
+            self.max_usd_nanos,
+            self.max_tokens,
+            self.max_steps,
+            self.max_tool_calls,
+            _min(self.deadline, started_at + self.timeout_s),
+            None,
+        )
+
+
+def _min(a, b):  # type: ignore[no-untyped-def]
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a <= b else b
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    run_id: str
+    generated: bool  # runcap made the id up: the request is its own one-step run
+    task: str
+    caps: RunCaps
+    operation_id: str | None = None
+    idempotency_key: str | None = None
+
+
+def parse_run_headers(
+    headers: Mapping[str, str], config: CapsConfig, *, require_run_id: bool = False
+) -> RunRequest:
+    run_id = headers.get("X-Run-Id")
+    generated = False
+    if run_id is None:
+        if require_run_id:
+            raise InvalidRequest(
+                "X-Run-Id: required by this runcap (require_run_id = true); send the run's id "
+                "(1-128 characters of A-Z a-z 0-9 . _ : -)",
+                param="X-Run-Id",
+            )
+        run_id = "run_" + secrets.token_hex(12)
+        generated = True
+    elif not RUN_ID_RE.match(run_id):
+        raise InvalidRequest(
+            f"X-Run-Id: {run_id[:140]!r} is not a run id (1-128 characters of A-Z a-z 0-9 . _ : -)",
+            param="X-Run-Id",
+        )
+
+    task = headers.get("X-Run-Task", "")
+    if len(task) > 256 or not task.isprintable():
+        raise InvalidRequest("X-Run-Task: at most 256 printable characters", param="X-Run-Task")
+
+    usd = _usd(headers.get("X-Run-Max-Usd"))
+    max_tokens = _count(headers.get("X-Run-Max-Tokens"), "X-Run-Max-Tokens")
+    max_steps = _count(headers.get("X-Run-Max-Steps"), "X-Run-Max-Steps")
+    max_tool_calls = _count(headers.get("X-Run-Max-Tool-Calls"), "X-Run-Max-Tool-Calls")
+    deadline = _deadline(headers.get("X-Run-Deadline"))
+    timeout_s = _seconds(headers.get("X-Run-Timeout"), "X-Run-Timeout")
+
+    has_time_header = deadline is not None or timeout_s is not None
+    caps = RunCaps(
+        max_usd_nanos=_apply(usd, config.default_max_usd_nanos, config.ceiling_max_usd_nanos),
+        max_tokens=_apply(max_tokens, config.default_max_tokens, config.ceiling_max_tokens),
+        max_steps=_apply(max_steps, config.default_max_steps, config.ceiling_max_steps),
+        max_tool_calls=_apply(max_tool_calls, config.default_max_tool_calls, config.ceiling_max_tool_calls),
+        deadline=deadline,
+        timeout_s=_min(
+            timeout_s if has_time_header else config.default_timeout_s,
+            config.ceiling_timeout_s,
+        ),
+    )
+
+    operation_id = headers.get("X-Run-Operation-Id")
+    if operation_id is not None and not 1 <= len(operation_id) <= 256:
+        raise InvalidRequest("X-Run-Operation-Id: 1-256 characters", param="X-Run-Operation-Id")
+    key = headers.get("Idempotency-Key")
+    if key is not None and not 1 <= len(key) <= 256:
+        raise InvalidRequest("Idempotency-Key: 1-256 characters", param="Idempotency-Key")
+    return RunRequest(run_id, generated, task, caps, operation_id, key)
+
+
+def _apply(value, default, ceiling):  # type: ignore[no-untyped-def]
+    return _min(value if value is not None else default, ceiling)
+
+
+def _usd(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    try:
+        d = Decimal(raw.strip())
+    except InvalidOperation:
+        d = Decimal("NaN")
+    if not d.is_finite() or d < 0 or d > Decimal(1_000_000_000):
+        raise InvalidRequest(
+            f"X-Run-Max-Usd: {raw[:40]!r} is not a dollar amount (a decimal like 2.50, ≥ 0)",
+            param="X-Run-Max-Usd",
+        )
+    return usd_to_nanos(d)
+
+
+def _count(raw: str | None, header: str) -> int | None:
+    if raw is None:
+        return None
+    if not _INT_RE.match(raw):
+        raise InvalidRequest(f"{header}: {raw[:40]!r} is not a whole number ≥ 0", param=header)
+    return int(raw)
+
+
+def _seconds(raw: str | None, header: str) -> float | None:
+    if raw is None:
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise InvalidRequest(f"{header}: {raw[:40]!r} is not a number of seconds > 0", param=header)
+    return value
+
+
+def _deadline(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    text = raw.strip()
+    try:
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            return float(text)
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+        if dt.tzinfo is None:
+            raise ValueError("no time zone")
+        return dt.timestamp()
+    except ValueError:
+        raise InvalidRequest(
+            f"X-Run-Deadline: {raw[:60]!r} is not an RFC 3339 time with a zone "
+            "(2026-01-02T15:04:05Z) or Unix seconds",
+            param="X-Run-Deadline",
+        ) from None

@@ -1,0 +1,378 @@
+"""Configuration: one typed, immutable object built once at start-up and passed down.
+
+Sources, lowest to highest precedence: built-in defaults, the TOML file (`runcap.toml` or
+`--config`), environment variables (DESIGN.md "Configuration"), CLI flags. Every problem raises
+`ConfigError` with the name of the setting at fault; unknown keys are errors too, so a typo never
+silently drops a cap.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from proxy.money import usd_to_nanos
+from proxy.pricing import ModelPrice
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the message starts with the setting's name."""
+
+
+FLAVORS = ("openai", "anthropic")
+PAYLOAD_MODES = ("off", "errors", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    name: str
+    url: str  # scheme://host[:port][/base-path], no trailing slash
+    flavor: str  # wire format family: "openai" (and OpenAI-compatible) or "anthropic"
+    api_key: str | None = None  # resolved from api_key_env; replaces the agent's credentials
+
+
+@dataclass(frozen=True, slots=True)
+class ToolConfig:
+    name: str
+    url: str
+    side_effects: bool | None = None  # None: by method (POST/PUT/PATCH/DELETE have side effects)
+    key_fields: tuple[str, ...] | None = None
+    timeout_s: float | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CapsConfig:
+    """Operator defaults (used when a header is absent) and ceilings (clamp every header value)."""
+
+    default_max_usd_nanos: int | None = None
+    ceiling_max_usd_nanos: int | None = None
+    default_max_tokens: int | None = None
+    ceiling_max_tokens: int | None = None
+    default_max_steps: int | None = None
+    ceiling_max_steps: int | None = None
+    default_max_tool_calls: int | None = None
+    ceiling_max_tool_calls: int | None = None
+    default_timeout_s: float | None = None
+    ceiling_timeout_s: float | None = None
+    # A run with a dollar cap refuses a model without a known price unless this is set.
+    allow_unpriced: bool = False
+    # A call is refused rather than clamped below this many output tokens: an answer that
+    # cannot fit a useful output is not worth paying the input for.
+    min_output_tokens: int = 16
+    # Output bound for a call that sets no limit on a model whose maximum output is unknown.
+    default_output_tokens: int = 16384
+    # Input-token bound for each image/file referenced by URL or id (its bytes are not here).
+    media_token_bound: int = 6000
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8787
+    data_dir: Path = Path("./runcap-data")
+    require_run_id: bool = False
+    admin_token: str | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    workers: int = 1
+    upstreams: Mapping[str, UpstreamConfig] = field(default_factory=dict)
+    tools: Mapping[str, ToolConfig] = field(default_factory=dict)
+    caps: CapsConfig = field(default_factory=CapsConfig)
+    prices: Mapping[str, ModelPrice] = field(default_factory=dict)
+    # Per-model maximum output tokens, extending the built-in table.
+    model_max_output: Mapping[str, int] = field(default_factory=dict)
+    clickhouse_url: str | None = None
+    s3_url: str | None = None
+    redis_url: str | None = None
+    otlp_endpoint: str | None = None
+    payloads: str = "all"
+    payload_max_bytes: int = 8 * 1024 * 1024
+    log_requests: bool = True
+
+    @property
+    def listen(self) -> str:
+        return f"{self.listen_host}:{self.listen_port}"
+
+    def with_overrides(self, **changes: Any) -> Config:
+        return replace(self, **changes)
+
+
+DEFAULT_UPSTREAMS = {
+    "openai": UpstreamConfig("openai", "https://api.openai.com", "openai"),
+    "anthropic": UpstreamConfig("anthropic", "https://api.anthropic.com", "anthropic"),
+}
+
+_TOP_KEYS = {
+    "listen", "data_dir", "require_run_id", "admin_token", "max_body_bytes", "workers",
+    "upstreams", "tools", "caps", "prices", "models", "clickhouse_url", "s3_url", "redis_url",
+    "otlp_endpoint", "payloads", "payload_max_bytes", "log_requests",
+}  # fmt: skip
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    listen: str | None = None,
+    data_dir: str | None = None,
+    workers: int | None = None,
+) -> Config:
+    """Build the configuration. `path=None` reads `./runcap.toml` when it exists."""
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: no such file: {p}")
+        raw = _read_toml(p)
+    elif Path("runcap.toml").is_file():
+        raw = _read_toml(Path("runcap.toml"))
+    return build_config(raw, env, listen=listen, data_dir=data_dir, workers=workers)
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+
+
+def build_config(
+    raw: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    *,
+    listen: str | None = None,
+    data_dir: str | None = None,
+    workers: int | None = None,
+) -> Config:
+    env = {} if env is None else env
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"{sorted(unknown)[0]}: unknown setting (known: {', '.join(sorted(_TOP_KEYS))})")
+
+    listen_value = listen or env.get("RUNCAP_LISTEN") or raw.get("listen") or "127.0.0.1:8787"
+    host, port = parse_listen(
+        str(listen_value),
+        "listen" if not (listen or env.get("RUNCAP_LISTEN")) else ("--listen" if listen else "RUNCAP_LISTEN"),
+    )
+    data = data_dir or env.get("RUNCAP_DATA_DIR") or raw.get("data_dir") or "./runcap-data"
+
+    upstreams = dict(DEFAULT_UPSTREAMS)
+    for name, section in _table(raw, "upstreams").items():
+        upstreams[name] = _upstream(name, section, env)
+
+    tools = {name: _tool(name, section) for name, section in _table(raw, "tools").items()}
+    caps = _caps(_table(raw, "caps"))
+    prices = {model: _price(model, section) for model, section in _table(raw, "prices").items()}
+    model_max_output = {}
+    for model, section in _table(raw, "models").items():
+        _only(section, f"models.{model}", {"max_output_tokens"})
+        model_max_output[model] = _int(section, f"models.{model}", "max_output_tokens", minimum=1)
+
+    payloads = _str(raw, "", "payloads", "all")
+    if payloads not in PAYLOAD_MODES:
+        raise ConfigError(f"payloads: expected one of {', '.join(PAYLOAD_MODES)}, got {payloads!r}")
+
+    clickhouse_url = env.get("RUNCAP_CLICKHOUSE_URL") or raw.get("clickhouse_url") or None
+    if clickhouse_url:
+        _check_url(clickhouse_url, "RUNCAP_CLICKHOUSE_URL", ("http", "https"))
+    s3_url = env.get("RUNCAP_S3_URL") or raw.get("s3_url") or None
+    if s3_url:
+        _check_url(s3_url, "RUNCAP_S3_URL", ("s3",))
+    redis_url = env.get("RUNCAP_REDIS_URL") or raw.get("redis_url") or None
+    if redis_url:
+        _check_url(redis_url, "RUNCAP_REDIS_URL", ("redis", "rediss", "unix"))
+
+    n_workers = workers if workers is not None else raw.get("workers", 1)
+    if not isinstance(n_workers, int) or isinstance(n_workers, bool) or n_workers < 1:
+        raise ConfigError(f"workers: expected a whole number ≥ 1, got {n_workers!r}")
+
+    return Config(
+        listen_host=host,
+        listen_port=port,
+        data_dir=Path(str(data)),
+        require_run_id=_bool(raw, "", "require_run_id", False),
+        admin_token=env.get("RUNCAP_ADMIN_TOKEN") or raw.get("admin_token") or None,
+        max_body_bytes=_int(raw, "", "max_body_bytes", minimum=1, default=32 * 1024 * 1024),
+        workers=n_workers,
+        upstreams=upstreams,
+        tools=tools,
+        caps=caps,
+        prices=prices,
+        model_max_output=model_max_output,
+        clickhouse_url=clickhouse_url,
+        s3_url=s3_url,
+        redis_url=redis_url,
+        otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or raw.get("otlp_endpoint") or None,
+        payloads=payloads,
+        payload_max_bytes=_int(raw, "", "payload_max_bytes", minimum=0, default=8 * 1024 * 1024),
+        log_requests=_bool(raw, "", "log_requests", True),
+    )
+
+
+def parse_listen(value: str, setting: str) -> tuple[str, int]:
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ConfigError(f"{setting}: expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port_s)
+
+
+def _check_url(url: str, setting: str, schemes: tuple[str, ...]) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in schemes or not (parts.netloc or parts.scheme == "unix"):
+        raise ConfigError(f"{setting}: expected a {'/'.join(s + '://' for s in schemes)}... URL, got {url!r}")
+
+
+def _table(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a table")
+    for name, section in value.items():
+        if not isinstance(section, dict) and key != "caps":
+            raise ConfigError(f"{key}.{name}: expected a table")
+    return value
+
+
+def _only(section: Mapping[str, Any], where: str, allowed: set[str]) -> None:
+    extra = set(section) - allowed
+    if extra:
+        raise ConfigError(
+            f"{where}.{sorted(extra)[0]}: unknown setting (known: {', '.join(sorted(allowed))})"
+        )
+
+
+def _str(section: Mapping[str, Any], where: str, key: str, default: str | None = None) -> Any:
+    value = section.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{_join(where, key)}: expected a string, got {value!r}")
+    return value
+
+
+def _bool(section: Mapping[str, Any], where: str, key: str, default: bool | None = None) -> Any:
+    value = section.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{_join(where, key)}: expected true or false, got {value!r}")
+    return value
+
+
+def _int(
+    section: Mapping[str, Any], where: str, key: str, *, minimum: int = 0, default: int | None = None
+) -> Any:
+    value = section.get(key, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{_join(where, key)}: expected a whole number ≥ {minimum}, got {value!r}")
+    return value
+
+
+def _number(section: Mapping[str, Any], where: str, key: str, *, positive: bool = False) -> Decimal | None:
+    value = section.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{_join(where, key)}: expected a number, got {value!r}")
+    try:
+        d = Decimal(str(value))
+    except InvalidOperation:
+        raise ConfigError(f"{_join(where, key)}: expected a number, got {value!r}") from None
+    if not d.is_finite() or d < 0 or (positive and d == 0):
+        raise ConfigError(
+            f"{_join(where, key)}: expected a number {'>' if positive else '≥'} 0, got {value!r}"
+        )
+    return d
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> UpstreamConfig:
+    where = f"upstreams.{name}"
+    _only(section, where, {"url", "flavor", "api_key_env"})
+    url = _str(section, where, "url")
+    if not url:
+        if name in DEFAULT_UPSTREAMS:
+            url = DEFAULT_UPSTREAMS[name].url
+        else:
+            raise ConfigError(f"{where}.url: required")
+    _check_url(url, f"{where}.url", ("http", "https"))
+    default_flavor = DEFAULT_UPSTREAMS[name].flavor if name in DEFAULT_UPSTREAMS else "openai"
+    flavor = _str(section, where, "flavor", default_flavor)
+    if flavor not in FLAVORS:
+        raise ConfigError(f"{where}.flavor: expected one of {', '.join(FLAVORS)}, got {flavor!r}")
+    api_key = None
+    key_env = _str(section, where, "api_key_env")
+    if key_env:
+        api_key = env.get(key_env)
+        if not api_key:
+            raise ConfigError(f"{where}.api_key_env: environment variable {key_env} is not set")
+    return UpstreamConfig(name, url.rstrip("/"), flavor, api_key)
+
+
+def _tool(name: str, section: Mapping[str, Any]) -> ToolConfig:
+    where = f"tools.{name}"
+    _only(section, where, {"url", "side_effects", "key_fields", "timeout_s", "headers"})
+    url = _str(section, where, "url")
+    if not url:
+        raise ConfigError(f"{where}.url: required")
+    _check_url(url, f"{where}.url", ("http", "https"))
+    key_fields = section.get("key_fields")
+    if key_fields is not None and (
+        not isinstance(key_fields, list) or not all(isinstance(k, str) and k for k in key_fields)
+    ):
+        raise ConfigError(f"{where}.key_fields: expected a list of field names")
+    timeout = _number(section, where, "timeout_s", positive=True)
+    headers = section.get("headers", {})
+    if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
+        raise ConfigError(f'{where}.headers: expected a table of header = "value"')
+    return ToolConfig(
+        name=name,
+        url=url.rstrip("/"),
+        side_effects=_bool(section, where, "side_effects"),
+        key_fields=tuple(key_fields) if key_fields is not None else None,
+        timeout_s=float(timeout) if timeout is not None else None,
+        headers=dict(headers),
+    )
+
+
+def _caps(section: Mapping[str, Any]) -> CapsConfig:
+    where = "caps"
+    allowed = {
+        f"{kind}_{cap}"
+        for kind in ("default", "ceiling")
+        for cap in ("max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s")
+    } | {"allow_unpriced", "min_output_tokens", "default_output_tokens", "media_token_bound"}
+    _only(section, where, allowed)
+    values: dict[str, Any] = {}
+    for kind in ("default", "ceiling"):
+        usd = _number(section, where, f"{kind}_max_usd")
+        values[f"{kind}_max_usd_nanos"] = usd_to_nanos(usd) if usd is not None else None
+        for cap in ("max_tokens", "max_steps", "max_tool_calls"):
+            values[f"{kind}_{cap}"] = _int(section, where, f"{kind}_{cap}")
+        timeout = _number(section, where, f"{kind}_timeout_s", positive=True)
+        values[f"{kind}_timeout_s"] = float(timeout) if timeout is not None else None
+    values["allow_unpriced"] = _bool(section, where, "allow_unpriced", False)
+    values["min_output_tokens"] = _int(section, where, "min_output_tokens", minimum=1, default=16)
+    values["default_output_tokens"] = _int(section, where, "default_output_tokens", minimum=1, default=16384)
+    values["media_token_bound"] = _int(section, where, "media_token_bound", minimum=1, default=6000)
+    return CapsConfig(**values)
+
+
+def _price(model: str, section: Mapping[str, Any]) -> ModelPrice:
+    where = f'prices."{model}"'
+    _only(section, where, {"input_mtok", "output_mtok", "cache_read_mtok", "cache_write_mtok"})
+    inp = _number(section, where, "input_mtok")
+    out = _number(section, where, "output_mtok")
+    if inp is None or out is None:
+        raise ConfigError(f"{where}: input_mtok and output_mtok are required (USD per million tokens)")
+    return ModelPrice(
+        inp, out, _number(section, where, "cache_read_mtok"), _number(section, where, "cache_write_mtok")
+    )

@@ -1,0 +1,173 @@
+"""`runcap demo`: runcap and the scripted model on free local ports, three agent runs through the
+official `openai` client, and what runcap allowed, clamped or refused at every step.
+
+No network, no servers to start: the model is `ScriptedUpstream`, storage is embedded under a
+data directory (a fresh temporary one unless `--data-dir` is given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config import build_config
+from proxy.scripted_upstream import ScriptedUpstream
+from proxy.server.app import build_app
+
+MODEL = "gpt-4o"  # priced by genai-prices: $2.50 / $10 per million input / output tokens
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_order",
+            "description": "Find an order by id",
+            "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+        },
+    }
+]
+
+SCRIPTS: dict[str, list[dict[str, Any]]] = {
+    # Looks an order up, then answers.
+    "support": [
+        {"tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A-1001"}}]},
+        {"text": "Order A-1001 shipped yesterday; it should arrive on Friday."},
+    ],
+    # Never stops calling tools on its own, and writes long answers when it may not.
+    "wanderer": [
+        {"tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A-1001"}}]},
+        {"tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A-1002"}}]},
+        {"tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A-1003"}}]},
+    ],
+    # Long answers every step: spends the dollar cap.
+    "essayist": [{"text_tokens": 900}],
+}
+
+
+def _fmt_headers(h: Any) -> str:
+    parts = []
+    if "x-run-remaining-usd" in h:
+        parts.append(f"${h['x-run-remaining-usd']} left")
+    if "x-run-remaining-steps" in h:
+        parts.append(f"{h['x-run-remaining-steps']} steps left")
+    return ", ".join(parts)
+
+
+async def _agent(  # type: ignore[no-untyped-def]
+    base_url: str, run_id: str, script: str, caps: dict[str, str], max_tokens: int, keep_writing: bool, say
+) -> None:
+    """A small agent loop: call the model, run the tools it asks for, repeat until it answers
+    (or, with keep_writing, ask it to go on after each answer) or runcap refuses."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="demo-key", max_retries=2)
+    headers = {"X-Run-Id": run_id, "X-Run-Task": f"demo-{script}", "X-Mock-Script": script, **caps}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is my order A-1001?"}]
+    say(f"\nrun {run_id}  script={script}  " + "  ".join(f"{k}={v}" for k, v in caps.items()))
+    for _ in range(12):
+        try:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, tools=TOOLS, max_tokens=max_tokens, extra_headers=headers
+            )
+        except openai.APIStatusError as e:
+            err = e.body.get("error", e.body) if isinstance(e.body, dict) else {}
+            code = err.get("code") or err.get("type")
+            say(f"  refused   HTTP {e.status_code} {code}: {err.get('message', '')[:150]}")
+            break
+        h = raw.headers
+        resp = raw.parse()
+        msg = resp.choices[0].message
+        step = h.get("x-run-step")
+        notes = []
+        if h.get("x-run-final-step") == "true":
+            notes.append("answer-only final step: tools stripped")
+        usage = resp.usage
+        clamped = h.get("x-run-clamped-output-tokens")
+        clamp = f"clamped {max_tokens}→{clamped}" if clamped else "allowed"
+        what = (
+            "calls " + ", ".join(f"{c.function.name}({c.function.arguments})" for c in msg.tool_calls)
+            if msg.tool_calls
+            else f"answers {len(msg.content or '')} chars"
+        )
+        say(
+            f"  step {step:>2}  {clamp:<10} {what[:60]:<60} in {usage.prompt_tokens:>5} out "
+            f"{usage.completion_tokens:>4}  {_fmt_headers(h)}" + (f"  [{'; '.join(notes)}]" if notes else "")
+        )
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            if not keep_writing:
+                break
+            messages.append({"role": "user", "content": "Go on."})
+            continue
+        for call in msg.tool_calls:
+            result = {"order_id": json.loads(call.function.arguments).get("order_id"), "status": "shipped"}
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+
+
+async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    upstream = ScriptedUpstream(SCRIPTS)
+    upstream_url = await upstream.start()
+    config = build_config(
+        {"upstreams": {"openai": {"url": upstream_url}}, "log_requests": False},
+        {},
+        listen="127.0.0.1:0",
+        data_dir=str(data_dir),
+    )
+    app = build_app(config)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    base = f"http://127.0.0.1:{port}"
+    say(f"runcap on {base}, scripted model on {upstream_url}, data in {data_dir}")
+    stamp = time.strftime("%H%M%S")
+    runs = {
+        "finishes": (
+            f"demo-{stamp}-finishes",
+            "support",
+            {"X-Run-Max-Usd": "0.05", "X-Run-Max-Steps": "10"},
+            400,
+            False,
+        ),
+        "dollar-cap": (f"demo-{stamp}-dollars", "essayist", {"X-Run-Max-Usd": "0.03"}, 1000, True),
+        "step-cap": (f"demo-{stamp}-steps", "wanderer", {"X-Run-Max-Steps": "3"}, 800, False),
+    }
+    states: dict[str, dict[str, Any]] = {}
+    try:
+        import aiohttp
+
+        for name, (run_id, script, caps, max_tokens, keep_writing) in runs.items():
+            await _agent(base, run_id, script, caps, max_tokens, keep_writing, say)
+            async with aiohttp.ClientSession() as s, s.get(f"{base}/runs/{run_id}") as r:
+                state = await r.json()
+            states[name] = state
+            say(
+                f"  → status {state['status']}: {state['steps']} steps, {state['tool_calls']} tool calls, "
+                f"{state['input_tokens']}+{state['output_tokens']} tokens, ${state['cost_usd']} spent"
+                + (f" of ${state['caps']['max_usd']}" if state["caps"]["max_usd"] else "")
+            )
+    finally:
+        await runner.cleanup()
+        await upstream.stop()
+    return states
+
+
+def main(data_dir: str | None = None) -> int:
+    tmp = None
+    if data_dir is None:
+        tmp = tempfile.mkdtemp(prefix="runcap-demo-")
+        data_dir = tmp
+    try:
+        asyncio.run(run_demo(Path(data_dir)))
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0

@@ -1,0 +1,130 @@
+"""Rejections: typed exceptions inside, the provider's error shape outside.
+
+Every rejection of a run (budget, deadline, cancel, unknown side-effect outcome, bad input)
+is a `Rejection` carrying status, error type, code, message and the parameter at fault. The server
+renders it in the shape of the wire format the agent speaks (OpenAI or Anthropic) and always adds
+`x-should-retry: false`: the official SDKs retry 408/409/429/5xx unless told not to, and a budget
+stop retried is money spent twice.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+
+class Rejection(Exception):
+    status = 400
+    type = "invalid_request"
+    # The run status a rejection of this kind puts the run in (None: leaves it as it is).
+    run_status: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        if status is not None:
+            self.status = status
+        self.headers = headers or {}
+
+    def body(self, flavor: str) -> bytes:
+        if flavor == "anthropic":
+            return orjson.dumps({"type": "error", "error": {"type": self.type, "message": self.message}})
+        return orjson.dumps(
+            {"error": {"type": self.type, "code": self.code, "message": self.message, "param": self.param}}
+        )
+
+    def response(self, flavor: str, extra_headers: dict[str, str] | None = None) -> web.Response:
+        headers = {"x-should-retry": "false", **self.headers, **(extra_headers or {})}
+        return web.Response(
+            status=self.status, body=self.body(flavor), content_type="application/json", headers=headers
+        )
+
+
+class InvalidRequest(Rejection):
+    status = 400
+    type = "invalid_request"
+
+
+class BudgetExceeded(Rejection):
+    """A cap would be or is exceeded; code is max_usd / max_tokens / max_steps / max_tool_calls."""
+
+    status = 402
+    type = "run_budget_exceeded"
+
+    _RUN_STATUS = {
+        "max_usd": "budget_exceeded",
+        "max_tokens": "budget_exceeded",
+        "max_steps": "steps_exceeded",
+        "max_tool_calls": "tool_calls_exceeded",
+    }
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message, code=code, param=code)
+        self.run_status = self._RUN_STATUS[code]
+
+
+class DeadlineExceeded(Rejection):
+    status = 504
+    type = "run_deadline_exceeded"
+    run_status = "deadline_exceeded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="deadline")
+
+
+class RunCancelled(Rejection):
+    status = 410
+    type = "run_cancelled"
+    run_status = "cancelled"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="cancelled")
+
+
+class OutcomeUnknown(Rejection):
+    status = 409
+    type = "idempotency_outcome_unknown"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="outcome_unknown")
+
+
+class NotFound(Rejection):
+    status = 404
+    type = "not_found"
+
+
+class PayloadTooLarge(Rejection):
+    status = 413
+    type = "request_too_large"
+
+
+class Unauthorized(Rejection):
+    status = 401
+    type = "unauthorized"
+
+
+class UpstreamUnavailable(Rejection):
+    """The upstream could not be reached or reset the connection. Retrying may help, so unlike
+    the run rejections this one lets the SDK retry (no `x-should-retry: false`)."""
+
+    status = 502
+    type = "upstream_unavailable"
+
+    def response(self, flavor: str, extra_headers: dict[str, str] | None = None) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=self.body(flavor),
+            content_type="application/json",
+            headers=extra_headers or {},
+        )

@@ -1,0 +1,354 @@
+"""The run ledger: budgets, reservations and cancel flags — the control the hot path waits on.
+
+Every backend (SQLite embedded, Redis shared) stores the same `RunState` and runs the same
+decision functions below inside one atomic transaction: a backend only has to load a run, apply
+`decide_step` / `apply_settlement` and write the result back atomically. That keeps the rules in
+one place and makes the backends interchangeable (they pass one contract test suite).
+
+Rules (DESIGN.md "Enforcement rules"):
+* caps are fixed when a run is first seen; later requests may lower them, never raise them;
+* a model call reserves its worst case (input bound + output limit) before it is forwarded, and is
+  refused only when even the input plus a useful output cannot fit; otherwise its output limit is
+  clamped to what fits, so concurrent calls cannot jointly overshoot;
+* the next-to-last allowed call is answer-only (tools stripped); a call past it is refused;
+* settlement replaces the reservation by the actual usage.
+"""
+
+from __future__ import annotations
+
+import abc
+import secrets
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+
+from proxy.caps import RunCaps
+from proxy.errors import BudgetExceeded, DeadlineExceeded, InvalidRequest, Rejection, RunCancelled
+from proxy.money import format_usd, tokens_affordable, tokens_cost_nanos
+
+TERMINAL_STATUSES = frozenset(
+    {"budget_exceeded", "deadline_exceeded", "steps_exceeded", "tool_calls_exceeded", "cancelled"}
+)
+
+
+@dataclass(slots=True)
+class RunState:
+    run_id: str
+    task: str = ""
+    status: str = "active"
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    caps: RunCaps = field(default_factory=RunCaps)
+    spent_usd_nanos: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    tool_calls_requested: int = 0
+    tool_calls_executed: int = 0
+    reserved_usd_nanos: int = 0
+    reserved_tokens: int = 0
+    # The cap that forced an answer-only step; the run's next model call is refused with it.
+    final_reason: str | None = None
+    cancelled: bool = False
+
+    @property
+    def tool_calls(self) -> int:
+        # An agent that both lets the model request a call and executes it through /tools
+        # must not be counted twice.
+        return max(self.tool_calls_requested, self.tool_calls_executed)
+
+    @property
+    def tokens_used(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def remaining(self, now: float) -> dict[str, int | float | None]:
+        """What is left of each cap, counting reservations as spent (None: no cap)."""
+        c = self.caps
+        return {
+            "usd_nanos": None
+            if c.max_usd_nanos is None
+            else max(0, c.max_usd_nanos - self.spent_usd_nanos - self.reserved_usd_nanos),
+            "tokens": None
+            if c.max_tokens is None
+            else max(0, c.max_tokens - self.tokens_used - self.reserved_tokens),
+            "steps": None if c.max_steps is None else max(0, c.max_steps - self.steps),
+            "tool_calls": None if c.max_tool_calls is None else max(0, c.max_tool_calls - self.tool_calls),
+            "ms": None if c.deadline is None else max(0.0, (c.deadline - now) * 1000.0),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """What a model call needs from the ledger before it may be forwarded."""
+
+    run_id: str
+    task: str
+    caps: RunCaps
+    now: float
+    model: str
+    input_tokens_bound: int
+    client_output_limit: int | None
+    model_output_bound: int  # the model's maximum output tokens (or the configured default)
+    min_output_tokens: int
+    # Worst-case USD per million tokens; None when the model has no known price.
+    input_usd_per_mtok: Decimal | None
+    output_usd_per_mtok: Decimal | None
+    allow_unpriced: bool = False
+    counts_as_step: bool = True  # embeddings spend tokens and dollars but are not agent steps
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    id: str
+    run_id: str
+    step: int
+    usd_nanos: int
+    input_tokens: int
+    output_tokens: int
+    # The output limit to write into the request, or None to leave the request as it is.
+    output_limit: int | None
+    # The budget lowered the output limit below what the client asked for (or the model's max).
+    clamped: bool
+    final_step: bool
+    state: RunState  # the run right after this reservation
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd_nanos: int = 0
+    tool_calls_requested: int = 0
+    finished: bool = False  # the response ended without requesting tools
+    run_status: str | None = None  # e.g. deadline_exceeded / cancelled when the call was cut
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredReservation:
+    run_id: str
+    reservation_id: str
+    usd_nanos: int
+    tokens: int
+
+
+class Ledger(abc.ABC):
+    """One backend of the run ledger. Methods are synchronous and fast (sub-millisecond)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def begin_step(self, req: StepRequest) -> Reservation:
+        """Open or update the run, check every cap and reserve the call's worst case, atomically.
+        Raises a `Rejection` (the run's status updated accordingly) when the call may not go."""
+
+    @abc.abstractmethod
+    def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+        """Replace the reservation by what the call actually used."""
+
+    @abc.abstractmethod
+    def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+        """Open or update the run for a call that reserves nothing (pass-through, tools) and
+        check its deadline and cancel flag. Raises a `Rejection`."""
+
+    @abc.abstractmethod
+    def get_run(self, run_id: str) -> RunState | None: ...
+
+    @abc.abstractmethod
+    def cancel(self, run_id: str, now: float) -> RunState | None:
+        """Mark the run cancelled (creating it if unknown, so a cancel that races the first
+        request still wins). Returns the state."""
+
+    @abc.abstractmethod
+    def set_status(self, run_id: str, status: str, now: float) -> None:
+        """Record a terminal status seen outside a step (e.g. a deadline hit mid-call)."""
+
+    @abc.abstractmethod
+    def recover(self) -> list[RecoveredReservation]:
+        """Settle, at their reserved amount, the reservations of processes that died."""
+
+    def ping(self) -> None:  # noqa: B027 - optional for backends that cannot fail
+        """Raise when the backend is unreachable (readiness)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def new_run(run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    return RunState(run_id=run_id, task=task, started_at=now, updated_at=now, caps=caps.resolve_deadline(now))
+
+
+def merge_caps(state: RunState, task: str, caps: RunCaps, now: float) -> None:
+    """Later requests may lower a cap, never raise it; a task label sticks once set."""
+    state.caps = state.caps.lowered_by(caps.resolve_deadline(state.started_at))
+    if task and not state.task:
+        state.task = task
+    state.updated_at = now
+
+
+def check_live(state: RunState, now: float) -> None:
+    """Refuse any call of a cancelled run or one past its deadline."""
+    if state.cancelled:
+        state.status = "cancelled"
+        raise RunCancelled(f"run {state.run_id} was cancelled; start a new run (new X-Run-Id) to continue")
+    deadline = state.caps.deadline
+    if deadline is not None and now >= deadline:
+        _set_status(state, "deadline_exceeded")
+        raise DeadlineExceeded(
+            f"run {state.run_id} passed its deadline (X-Run-Deadline / X-Run-Timeout) "
+            f"{now - deadline:.3f}s ago; end the run"
+        )
+
+
+def _set_status(state: RunState, status: str) -> None:
+    # A terminal status sticks (a cancelled run stays cancelled); "cancelled" wins over the rest.
+    if state.status not in TERMINAL_STATUSES or status == "cancelled":
+        state.status = status
+
+
+def decide_step(state: RunState, req: StepRequest) -> Reservation:
+    """Check every cap and compute the reservation. Mutates `state` (also when it raises: the
+    rejection's run status is recorded) — the caller persists `state` in both cases."""
+    merge_caps(state, req.task, req.caps, req.now)
+    check_live(state, req.now)
+    try:
+        reservation = _reserve(state, req)
+    except Rejection as rej:
+        if rej.run_status:
+            _set_status(state, rej.run_status)
+        raise
+    return reservation
+
+
+def _reserve(state: RunState, req: StepRequest) -> Reservation:
+    caps = state.caps
+    final_reason: str | None = None
+    if req.counts_as_step:
+        if state.final_reason is not None:
+            cap = state.final_reason
+            raise BudgetExceeded(
+                cap,
+                f"{_HEADER[cap]}: run {state.run_id} already had its answer-only final step; "
+                "the run is over — start a new run to continue",
+            )
+        if caps.max_steps is not None:
+            if state.steps + 1 > caps.max_steps:
+                raise BudgetExceeded(
+                    "max_steps",
+                    f"X-Run-Max-Steps: run {state.run_id} has used all {caps.max_steps} steps; "
+                    "the run is over — start a new run to continue",
+                )
+            if state.steps + 1 == caps.max_steps:
+                final_reason = "max_steps"
+        if (
+            final_reason is None
+            and caps.max_tool_calls is not None
+            and state.tool_calls >= caps.max_tool_calls
+        ):
+            final_reason = "max_tool_calls"
+
+    priced = req.input_usd_per_mtok is not None and req.output_usd_per_mtok is not None
+    if caps.max_usd_nanos is not None and not priced and not req.allow_unpriced:
+        raise InvalidRequest(
+            f"model {req.model!r} has no known price, so X-Run-Max-Usd cannot be enforced for it; "
+            f'configure [prices."{req.model}"] or set caps.allow_unpriced = true',
+            code="unpriced_model",
+            param="model",
+        )
+    in_rate = req.input_usd_per_mtok or Decimal(0)
+    out_rate = req.output_usd_per_mtok or Decimal(0)
+
+    wanted = req.client_output_limit if req.client_output_limit is not None else req.model_output_bound
+    limit = wanted
+    useful = min(req.min_output_tokens, wanted)
+    capped = False
+    input_cost = tokens_cost_nanos(req.input_tokens_bound, in_rate)
+
+    if caps.max_usd_nanos is not None and priced:
+        capped = True
+        left = caps.max_usd_nanos - state.spent_usd_nanos - state.reserved_usd_nanos
+        affordable = tokens_affordable(left - input_cost, out_rate) if left >= input_cost else -1
+        if affordable < useful:
+            need = input_cost + tokens_cost_nanos(useful, out_rate)
+            raise BudgetExceeded(
+                "max_usd",
+                f"X-Run-Max-Usd: run {state.run_id} has ${format_usd(max(left, 0))} left of its "
+                f"${format_usd(caps.max_usd_nanos)} cap (spent ${format_usd(state.spent_usd_nanos)}, "
+                f"${format_usd(state.reserved_usd_nanos)} reserved by calls in flight); this call needs "
+                f"at least ${format_usd(need)} ({req.input_tokens_bound} input tokens at most + {useful} "
+                f"output tokens of {req.model}). The run is out of budget: end it or start a new run.",
+            )
+        limit = min(limit, affordable)
+    if caps.max_tokens is not None:
+        capped = True
+        left_tokens = caps.max_tokens - state.tokens_used - state.reserved_tokens
+        affordable_tokens = left_tokens - req.input_tokens_bound
+        if affordable_tokens < useful:
+            raise BudgetExceeded(
+                "max_tokens",
+                f"X-Run-Max-Tokens: run {state.run_id} has {max(left_tokens, 0)} of its {caps.max_tokens} "
+                f"tokens left ({state.reserved_tokens} reserved by calls in flight); this call needs at "
+                f"least {req.input_tokens_bound + useful} ({req.input_tokens_bound} input at most + "
+                f"{useful} output). The run is out of tokens: end it or start a new run.",
+            )
+        limit = min(limit, affordable_tokens)
+
+    # Write a limit into the request when it is lower than what the client asked for, or when the
+    # client asked for none and a cap applies (an unlimited output is an unbounded cost).
+    output_limit = limit if (limit < wanted or (capped and req.client_output_limit is None)) else None
+    usd = input_cost + tokens_cost_nanos(limit, out_rate)
+
+    if req.counts_as_step:
+        state.steps += 1
+        if final_reason is not None:
+            state.final_reason = final_reason
+    state.reserved_usd_nanos += usd
+    state.reserved_tokens += req.input_tokens_bound + limit
+    if state.status not in TERMINAL_STATUSES:
+        state.status = "active"
+    return Reservation(
+        id=secrets.token_hex(8),
+        run_id=state.run_id,
+        step=state.steps,
+        usd_nanos=usd,
+        input_tokens=req.input_tokens_bound,
+        output_tokens=limit,
+        output_limit=output_limit,
+        clamped=limit < wanted,
+        final_step=final_reason is not None,
+        state=replace(state),
+    )
+
+
+_HEADER = {"max_steps": "X-Run-Max-Steps", "max_tool_calls": "X-Run-Max-Tool-Calls"}
+
+
+def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, now: float) -> None:
+    state.reserved_usd_nanos = max(0, state.reserved_usd_nanos - reservation.usd_nanos)
+    state.reserved_tokens = max(0, state.reserved_tokens - reservation.tokens)
+    state.spent_usd_nanos += s.cost_usd_nanos
+    state.input_tokens += s.input_tokens
+    state.output_tokens += s.output_tokens
+    state.tool_calls_requested += s.tool_calls_requested
+    state.updated_at = now
+    if s.run_status:
+        _set_status(state, s.run_status)
+    elif state.status not in TERMINAL_STATUSES:
+        state.status = "completed" if s.finished else "active"
+    if state.final_reason is not None and reservation.final_step:
+        # The answer-only step happened: the run ended on the cap that forced it.
+        _set_status(state, "steps_exceeded" if state.final_reason == "max_steps" else "tool_calls_exceeded")
+
+
+def apply_recovery(
+    state: RunState, usd_nanos: int, input_tokens: int, output_tokens: int, now: float
+) -> None:
+    """A dead process's reservation: charge it in full, as if the call used its worst case."""
+    state.reserved_usd_nanos = max(0, state.reserved_usd_nanos - usd_nanos)
+    state.reserved_tokens = max(0, state.reserved_tokens - input_tokens - output_tokens)
+    state.spent_usd_nanos += usd_nanos
+    state.input_tokens += input_tokens
+    state.output_tokens += output_tokens
+    state.updated_at = now

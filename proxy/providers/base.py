@@ -1,0 +1,119 @@
+"""Provider-neutral view of model traffic.
+
+Each wire format (OpenAI chat, OpenAI responses, OpenAI completions/embeddings, Anthropic
+messages) has one adapter module that maps its requests, responses and SSE streams onto these
+types, and knows how to clamp the output-token limit and strip tools. Budgets, the ledger and the
+span pipeline only ever see `Usage`, `ToolCall`, `ToolResult`, `RequestInfo` and `ResponseInfo`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class BodyError(ValueError):
+    """A body runcap must understand is malformed; the message says which field."""
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token usage of one model call, normalised across providers.
+
+    `input_tokens` is ALL input tokens, cached or not (OpenAI's `prompt_tokens`; Anthropic's
+    `input_tokens + cache_read_input_tokens + cache_creation_input_tokens`), so that the token cap
+    and the spans count every token the provider processed. `cache_read_tokens` and
+    `cache_write_tokens` are the parts of it read from / written to the prompt cache.
+    `output_tokens` includes `reasoning_tokens`.
+    """
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A tool call the model requested in a response."""
+
+    id: str
+    name: str
+    arguments: str  # raw JSON text as the model produced it (may not parse)
+
+
+@dataclass(slots=True)
+class ToolResult:
+    """A tool result the agent sent back in a request."""
+
+    tool_call_id: str
+    content: Any  # str, or the structured content blocks as sent
+    is_error: bool = False
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    model: str = ""
+    stream: bool = False
+    # The output-token limit the client asked for, or None when it set none.
+    max_output_tokens: int | None = None
+    has_tools: bool = False
+    tool_results: list[ToolResult] = field(default_factory=list)
+    # An upper bound on the input tokens of this request, computed without a tokenizer
+    # (every token of a byte-level BPE covers at least one UTF-8 byte, plus per-message overhead).
+    input_token_bound: int = 0
+    # The client asked for usage in the stream itself (OpenAI `stream_options.include_usage`).
+    client_wants_stream_usage: bool = False
+
+
+@dataclass(slots=True)
+class ResponseInfo:
+    model: str = ""
+    usage: Usage | None = None  # None when the response carried no usage
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    # The response ended without requesting tools (a final answer).
+    finished: bool = False
+    response_id: str = ""
+
+
+class StreamReader(Protocol):
+    """Incremental reader of one SSE response stream."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take bytes as they arrive from upstream; return the bytes to relay to the client now."""
+
+    def close(self) -> bytes:
+        """End of stream: return any bytes still held back."""
+
+    @property
+    def info(self) -> ResponseInfo:
+        """What the stream said so far (usage may be partial or None if it was cut)."""
+
+
+class Adapter(Protocol):
+    """One wire format. Stateless; the same instance serves every request."""
+
+    name: str  # endpoint label, e.g. "chat.completions", "responses", "messages"
+    # The smallest output limit the provider accepts (OpenAI responses: 16); a call that cannot
+    # afford it is refused rather than sent with an invalid limit.
+    min_output_limit: int
+
+    def parse_request(self, body: dict[str, Any]) -> RequestInfo: ...
+
+    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
+        """Set the output-token limit in the request body (the field this format uses)."""
+
+    def strip_tools(self, body: dict[str, Any]) -> None:
+        """Make the request answer-only: the model cannot request a tool."""
+
+    def request_stream_usage(self, body: dict[str, Any]) -> bool:
+        """Ask the upstream for usage in the stream; return True if the body was changed."""
+
+    def parse_response(self, body: dict[str, Any]) -> ResponseInfo: ...
+
+    def stream_reader(self, strip_injected_usage: bool) -> StreamReader: ...

@@ -1,0 +1,243 @@
+"""OpenAI Responses (`POST /v1/responses`) as a data mapper.
+
+Tool calls the agent must execute are output items of a client-side call type (`function_call`,
+`custom_tool_call`, and the client-executed built-ins such as `computer_call` or `shell_call`),
+each with a `call_id`; their results come back as `*_output` input items with the same
+`call_id`. Hosted tools (web search, file search, code interpreter, MCP) run at OpenAI and are
+not tool calls of the agent. Usage arrives only with the terminal event of a stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import BodyError, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
+from .body import (
+    BASE_OVERHEAD,
+    BUILTIN_TOOL_BOUND,
+    MEDIA_TOKEN_BOUND,
+    MESSAGE_OVERHEAD,
+    TOOL_PROMPT_BOUND,
+    ContentBound,
+    bool_field,
+    compact_json,
+    count,
+    inline_media_bound,
+    json_bytes,
+    limit_field,
+    list_field,
+    model_field,
+    object_item,
+    request_object,
+    text_bytes,
+    text_of,
+    url_media_bound,
+)
+from .sse import SSEEvent, SSEStreamReader
+
+# Client-executed call item type -> (tool name, or None to read it from the item; arguments key)
+_CALLS: dict[str, tuple[str | None, str]] = {
+    "function_call": (None, "arguments"),
+    "custom_tool_call": (None, "input"),
+    "computer_call": ("computer", "action"),
+    "local_shell_call": ("local_shell", "action"),
+    "shell_call": ("shell", "action"),
+    "apply_patch_call": ("apply_patch", "operation"),
+}
+_CALL_OUTPUTS = frozenset(kind + "_output" for kind in _CALLS)
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+_ENDED = frozenset(("completed", "incomplete"))
+_DELTA_EVENTS = frozenset(("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"))
+_TERMINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "response.failed"))
+
+
+def responses_usage(usage: Any) -> Usage | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("input_tokens_details")
+    return Usage(
+        input_tokens=count(usage, "input_tokens"),
+        output_tokens=count(usage, "output_tokens"),
+        cache_read_tokens=count(details, "cached_tokens"),
+        cache_write_tokens=count(details, "cache_write_tokens"),
+        reasoning_tokens=count(usage.get("output_tokens_details"), "reasoning_tokens"),
+    )
+
+
+def _tool_call(item: dict[str, Any]) -> ToolCall | None:
+    kind = _CALLS.get(item.get("type"))  # type: ignore[arg-type]
+    if kind is None:
+        return None
+    name, key = kind
+    arguments = item.get(key)
+    if key == "action" and arguments is None:
+        arguments = item.get("actions")  # batched computer actions
+    return ToolCall(
+        text_of(item, "call_id"),
+        name or text_of(item, "name"),
+        arguments if isinstance(arguments, str) else compact_json(arguments),
+    )
+
+
+def _tool_calls(output: Any) -> list[ToolCall]:
+    calls = []
+    if isinstance(output, list):
+        for item in output:
+            if isinstance(item, dict) and (call := _tool_call(item)) is not None:
+                calls.append(call)
+    return calls
+
+
+def _input_image(part: dict[str, Any]) -> int:
+    if part.get("image_url") is not None:
+        return url_media_bound(part["image_url"])
+    return MEDIA_TOKEN_BOUND  # by file_id
+
+
+def _input_file(part: dict[str, Any]) -> int:
+    name = text_bytes(text_of(part, "filename"))
+    if part.get("file_data") is not None:
+        return inline_media_bound(part["file_data"]) + name
+    return MEDIA_TOKEN_BOUND + name  # by file_id or file_url
+
+
+_CONTENT = ContentBound(
+    {"input_image": _input_image, "input_file": _input_file}, media=("input_image", "input_file")
+)
+
+
+class ResponsesStreamReader(SSEStreamReader):
+    """Reads Responses API semantic events.
+
+    Mid-stream `info`: model and id after `response.created`; tool calls from
+    `response.output_item.added` plus argument deltas (final at `response.output_item.done`,
+    and replaced by the terminal response's output); usage only with the terminal event
+    (`response.completed` / `response.incomplete` / `response.failed`), None before.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(may_drop=False)
+        self._model = ""
+        self._id = ""
+        self._usage: Usage | None = None
+        self._ended = False
+        # output_index -> ToolCall being built (arguments accumulate from deltas)
+        self._calls: dict[int, ToolCall] = {}
+
+    def on_event(self, event: SSEEvent) -> bool:
+        data = event.json()
+        if not isinstance(data, dict):
+            return True
+        kind = data.get("type") or event.event
+        if kind in _DELTA_EVENTS:
+            call = self._calls.get(data.get("output_index"))  # type: ignore[arg-type]
+            if call is not None and isinstance(data.get("delta"), str):
+                call.arguments += data["delta"]
+        elif kind in ("response.output_item.added", "response.output_item.done"):
+            item = data.get("item")
+            if isinstance(item, dict) and (call := _tool_call(item)) is not None:
+                self._calls[data.get("output_index", len(self._calls))] = call
+        elif kind in ("response.created", "response.in_progress", "response.queued"):
+            self._read_response(data.get("response"))
+        elif kind in _TERMINAL_EVENTS:
+            response = data.get("response")
+            self._read_response(response)
+            if isinstance(response, dict):
+                self._usage = responses_usage(response.get("usage")) or self._usage
+                if isinstance(response.get("output"), list):  # the authoritative final output
+                    self._calls = dict(enumerate(_tool_calls(response["output"])))
+            self._ended = kind != "response.failed"
+        return True
+
+    def _read_response(self, response: Any) -> None:
+        if isinstance(response, dict):
+            self._model = text_of(response, "model") or self._model
+            self._id = text_of(response, "id") or self._id
+
+    @property
+    def info(self) -> ResponseInfo:
+        calls = [ToolCall(c.id, c.name, c.arguments) for c in self._calls.values()]
+        return ResponseInfo(
+            model=self._model,
+            usage=self._usage,
+            tool_calls=calls,
+            finished=self._ended and not calls,
+            response_id=self._id,
+        )
+
+
+class ResponsesAdapter:
+    name = "responses"
+    # OpenAI rejects max_output_tokens below 16: a call that cannot afford 16 must be refused.
+    min_output_limit = 16
+
+    def parse_request(self, body: dict[str, Any]) -> RequestInfo:
+        body = request_object(body)
+        # A stored prompt (`prompt.id`) may carry the model; otherwise it is required.
+        model = model_field(body, required="prompt" not in body)
+        stream = bool_field(body, "stream")
+        limit = limit_field(body, "max_output_tokens")
+        tools = list_field(body, "tools")
+
+        bound = BASE_OVERHEAD + _CONTENT(body.get("instructions"))
+        results: list[ToolResult] = []
+        items = body.get("input")
+        if isinstance(items, str):
+            bound += MESSAGE_OVERHEAD + text_bytes(items)
+        elif isinstance(items, list):
+            bound += MESSAGE_OVERHEAD * len(items) + _CONTENT(items)
+            for i, item in enumerate(items):
+                item = object_item(item, f"input[{i}]")
+                if item.get("type") in _CALL_OUTPUTS:
+                    call_id = item.get("call_id")
+                    if not isinstance(call_id, str):
+                        raise BodyError(f"input[{i}].call_id must be a string")
+                    results.append(
+                        ToolResult(call_id, item.get("output"), is_error=item.get("status") == "failed")
+                    )
+        elif items is not None:
+            raise BodyError("input must be a string or an array")
+        if tools:
+            bound += TOOL_PROMPT_BOUND + json_bytes(tools)
+            for tool in tools:
+                if isinstance(tool, dict) and tool.get("type") not in ("function", "custom"):
+                    bound += BUILTIN_TOOL_BOUND
+        text = body.get("text")
+        if isinstance(text, dict) and isinstance(text.get("format"), dict):
+            bound += json_bytes(text["format"])
+        prompt = body.get("prompt")
+        if isinstance(prompt, dict):
+            bound += _CONTENT(prompt.get("variables"))
+
+        return RequestInfo(
+            model=model,
+            stream=stream,
+            max_output_tokens=limit,
+            has_tools=bool(tools),
+            tool_results=results,
+            input_token_bound=bound,
+        )
+
+    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
+        body["max_output_tokens"] = limit
+
+    def strip_tools(self, body: dict[str, Any]) -> None:
+        for name in _TOOL_FIELDS:
+            body.pop(name, None)
+
+    def request_stream_usage(self, body: dict[str, Any]) -> bool:
+        return False  # usage is always in the terminal event
+
+    def parse_response(self, body: dict[str, Any]) -> ResponseInfo:
+        calls = _tool_calls(body.get("output"))
+        status = body.get("status", "completed")
+        return ResponseInfo(
+            model=text_of(body, "model"),
+            usage=responses_usage(body.get("usage")),
+            tool_calls=calls,
+            finished=status in _ENDED and not calls,
+            response_id=text_of(body, "id"),
+        )
+
+    def stream_reader(self, strip_injected_usage: bool) -> ResponsesStreamReader:
+        return ResponsesStreamReader()

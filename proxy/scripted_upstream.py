@@ -1,0 +1,1508 @@
+"""A scripted, offline stand-in for the model providers runcap sits in front of.
+
+`ScriptedUpstream` is a small aiohttp server that speaks the real wire formats of OpenAI chat
+completions, the OpenAI Responses API, legacy completions, embeddings and Anthropic messages —
+streaming and not — exactly as the official `openai` and `anthropic` clients expect them. What the
+"model" answers comes from a script: a named list of steps, chosen per request by the
+`X-Mock-Script` header. runcap's tests, its demo and its throughput benchmarks run against it, and
+agent authors can use it (`runcap mock-upstream`) to test agents without a provider.
+
+Step selection is stateless so that concurrent conversations never interfere: the step played is
+the number of assistant turns already present in the request's history (chat / Anthropic:
+assistant messages; Responses: runs of consecutive `function_call` / assistant `message` /
+`reasoning` items, plus the turns behind a `previous_response_id` this server issued). Past the end
+of a script, its last step repeats. Legacy completions and embeddings have no history: they always
+play the script's first step.
+
+Like the real chat API, chat requests with `tools: []`, or with `tool_choice` /
+`parallel_tool_calls` but no tools, get a 400: a proxy that strips tools must strip those too.
+
+Token accounting is deterministic so that tests can assert exact usage (see `count_tokens`):
+
+* input  = 3 + Σ over messages (4 + count_tokens(the message's text)) + count_tokens(tools JSON),
+  where a message's text is all its text content, tool-call names and arguments and tool results
+  concatenated (an image adds 85); `system` (Anthropic) and `instructions` (Responses) count as one
+  message each; legacy completions count only the prompt; embeddings count each input.
+  A step's `input_tokens` replaces this; a step's cache tokens raise it when they exceed it.
+* output = reasoning tokens + count_tokens(text) + Σ count_tokens(tool-call arguments JSON), at
+  least 1. The output-token limit of the request is honoured by truncating the answer.
+
+Steps (dicts in scripts, validated into `Step`):
+
+    text: str                 answer text
+    text_tokens: int          answer of exactly N output tokens of filler text
+    tool_calls: [{name, arguments: dict | str}]   several = parallel calls; answered with text
+                              instead when the request has no tools or tool choice "none"
+    status: int, error: str, error_type: str, error_code: str   an error response
+    headers: {name: value}    extra response headers (e.g. retry-after)
+    delay_s: float            wait before answering (before the response headers)
+    stall_s: float            streams: stall after the first content event (non-stream: adds to delay)
+    chunk_delay_s: float      streams: pause between events
+    drop_after_events: int    streams: close the connection abruptly after N events (a provider
+                              failure mid-stream); 0 drops it before any response
+    input_tokens: int         report this many input tokens instead of the computed count
+    cache_read_tokens, cache_write_tokens, reasoning_tokens: int
+
+For tests, the server records every request (`requests`, `last`, `hits()`: method, path, lower-cased
+headers, parsed body, step played, usage answered, and whether a stream completed, was left by the
+client or dropped by the server) and counts requests in flight (`in_flight`, `max_in_flight`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import itertools
+import math
+import secrets
+import struct
+import time
+import tomllib
+from collections.abc import Awaitable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import orjson
+from aiohttp import web
+
+from proxy.providers.base import Usage
+
+SCRIPT_HEADER = "X-Mock-Script"
+DEFAULT_SCRIPT = "default"
+DEFAULT_TEXT = "Hello! This is a scripted answer from runcap's mock upstream."
+# The answer given when a step asks for tool calls the request does not allow.
+FALLBACK_TEXT = "I cannot call tools now, so here is my final answer."
+EMBEDDING_DIMENSIONS = 8
+# Legacy completions default `max_tokens` to 16, as the real API does.
+LEGACY_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MODELS = ("gpt-4o-mini", "gpt-4.1", "o4-mini", "text-embedding-3-small", "claude-sonnet-4-5")
+
+# Bounds the memory of Responses ids kept for `previous_response_id` in long benchmarks.
+_MAX_REMEMBERED_RESPONSES = 100_000
+
+BASE_INPUT_TOKENS = 3
+TOKENS_PER_MESSAGE = 4
+TOKENS_PER_IMAGE = 85
+
+# Filler for `text_tokens` steps: ASCII, so N tokens are exactly 4*N bytes.
+_FILLER_UNIT = "lorem ipsum dolor sit amet, consectetur adipiscing elit; sed do eiusmod tempor. "
+_FILLER = _FILLER_UNIT * 200
+
+
+def count_tokens(text: str) -> int:
+    """Tokens of `text` as this server counts them: ceil(UTF-8 bytes / 4)."""
+    return (len(text.encode()) + 3) // 4
+
+
+def filler_text(tokens: int) -> str:
+    """Text of exactly `tokens` tokens (by `count_tokens`)."""
+    n = 4 * tokens
+    if n <= len(_FILLER):
+        return _FILLER[:n]
+    return (_FILLER * (n // len(_FILLER) + 1))[:n]
+
+
+def truncate_to_tokens(text: str, tokens: int) -> str:
+    """The longest prefix of `text` (on a character boundary) within `tokens` tokens."""
+    return text.encode()[: 4 * tokens].decode(errors="ignore")
+
+
+# --------------------------------------------------------------------------- scripts
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptedToolCall:
+    name: str
+    arguments: str  # the JSON text the "model" produces (may deliberately not parse)
+    input: dict[str, Any]  # the same as an object, for Anthropic's tool_use.input
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One scripted model turn. Build from a dict with `Step.from_dict`."""
+
+    text: str | None = None
+    text_tokens: int | None = None
+    tool_calls: tuple[ScriptedToolCall, ...] = ()
+    status: int | None = None
+    error: str | None = None
+    error_type: str | None = None
+    error_code: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    delay_s: float = 0.0
+    stall_s: float = 0.0
+    chunk_delay_s: float = 0.0
+    drop_after_events: int | None = None
+    input_tokens: int | None = None
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Step:
+        unknown = set(raw) - _STEP_KEYS
+        if unknown:
+            raise ValueError(f"unknown step key(s) {sorted(unknown)}; known: {sorted(_STEP_KEYS)}")
+        calls = []
+        for call in raw.get("tool_calls") or ():
+            if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
+                raise ValueError(f"tool_calls entry needs a string 'name': {call!r}")
+            args = call.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    obj = orjson.loads(args)
+                except orjson.JSONDecodeError:
+                    obj = {}
+                calls.append(ScriptedToolCall(call["name"], args, obj if isinstance(obj, dict) else {}))
+            elif isinstance(args, Mapping):
+                calls.append(ScriptedToolCall(call["name"], orjson.dumps(args).decode(), dict(args)))
+            else:
+                raise ValueError(f"tool_calls[].arguments must be an object or a JSON string: {args!r}")
+        status = raw.get("status")
+        if status is not None and not (isinstance(status, int) and 400 <= status <= 599):
+            raise ValueError(f"step 'status' must be an HTTP error status 400-599: {status!r}")
+        for key in (
+            "drop_after_events",
+            "text_tokens",
+            "input_tokens",
+            "cache_read_tokens",
+            "cache_write_tokens",
+            "reasoning_tokens",
+        ):
+            value = raw.get(key)
+            if value is not None and not (isinstance(value, int) and value >= 0):
+                raise ValueError(f"step {key!r} must be a non-negative integer: {value!r}")
+        return cls(
+            text=raw.get("text"),
+            text_tokens=raw.get("text_tokens"),
+            tool_calls=tuple(calls),
+            status=status,
+            error=raw.get("error"),
+            error_type=raw.get("error_type"),
+            error_code=raw.get("error_code"),
+            headers=tuple((str(k), str(v)) for k, v in (raw.get("headers") or {}).items()),
+            delay_s=float(raw.get("delay_s", 0.0)),
+            stall_s=float(raw.get("stall_s", 0.0)),
+            chunk_delay_s=float(raw.get("chunk_delay_s", 0.0)),
+            drop_after_events=raw.get("drop_after_events"),
+            input_tokens=raw.get("input_tokens"),
+            cache_read_tokens=raw.get("cache_read_tokens", 0),
+            cache_write_tokens=raw.get("cache_write_tokens", 0),
+            reasoning_tokens=raw.get("reasoning_tokens", 0),
+        )
+
+
+_STEP_KEYS = frozenset(
+    {
+        "text",
+        "text_tokens",
+        "tool_calls",
+        "status",
+        "error",
+        "error_type",
+        "error_code",
+        "headers",
+        "delay_s",
+        "stall_s",
+        "chunk_delay_s",
+        "drop_after_events",
+        "input_tokens",
+        "cache_read_tokens",
+        "cache_write_tokens",
+        "reasoning_tokens",
+    }
+)
+
+_DEFAULT_STEP = Step(text=DEFAULT_TEXT)
+
+
+def _parse_scripts(scripts: Mapping[str, Iterable[Step | Mapping[str, Any]]]) -> dict[str, list[Step]]:
+    parsed: dict[str, list[Step]] = {}
+    for name, steps in scripts.items():
+        out = []
+        for i, step in enumerate(steps):
+            if isinstance(step, Step):
+                out.append(step)
+                continue
+            if not isinstance(step, Mapping):
+                raise ValueError(f"script {name!r} step {i}: a step is a table/object, got {step!r}")
+            try:
+                out.append(Step.from_dict(step))
+            except ValueError as e:
+                raise ValueError(f"script {name!r} step {i}: {e}") from None
+        parsed[name] = out
+    return parsed
+
+
+def load_scripts(path: str) -> dict[str, list[dict[str, Any]]]:
+    """Read scripts from a JSON or TOML file (by suffix; `.toml` is TOML, anything else JSON).
+
+    The file maps script names to lists of steps, optionally under a top-level `scripts` key.
+    In TOML a script is an array of tables: `[[refund]]` then `tool_calls = [...]`.
+    Steps are validated here, so a typo fails with a message naming the script and step.
+    """
+    data = Path(path).read_bytes()
+    raw = tomllib.loads(data.decode()) if path.endswith(".toml") else orjson.loads(data)
+    if isinstance(raw, dict) and isinstance(raw.get("scripts"), dict):
+        raw = raw["scripts"]
+    if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
+        raise ValueError(f"{path}: expected a table of scripts, each a list of steps")
+    _parse_scripts(raw)
+    return raw
+
+
+# --------------------------------------------------------------------------- observability
+
+
+@dataclass(slots=True)
+class RecordedRequest:
+    """One request the server received. Header names are lower-cased."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: Any  # parsed JSON, or None
+    script: str = DEFAULT_SCRIPT
+    step: int | None = None  # index of the step played (None when no step was played)
+    stream: bool = False
+    status: int = 200
+    completed: bool = False  # the whole response was sent
+    disconnected: bool = False  # the client went away before the end
+    dropped: bool = False  # the server dropped the connection (a `drop_after_events` step)
+    # The usage the answer carries, normalised like runcap's own `Usage` (input includes cache
+    # reads/writes). Set even when the stream was cut before the usage was sent; None for errors.
+    usage: Usage | None = None
+    received_at: float = field(default_factory=time.time)
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+
+# --------------------------------------------------------------------------- the answer
+
+
+@dataclass(slots=True)
+class _Call:
+    id: str
+    name: str
+    arguments: str
+    input: dict[str, Any]
+    partial: bool  # cut by the output-token limit
+
+
+@dataclass(slots=True)
+class _Answer:
+    """What the "model" says for one request, after applying the output-token limit."""
+
+    text: str
+    calls: list[_Call]
+    reasoning_tokens: int
+    output_tokens: int
+    truncated: bool
+    input_tokens: int  # all input tokens, cache reads and writes included
+    cache_read_tokens: int
+    cache_write_tokens: int
+
+
+# --------------------------------------------------------------------------- input counting
+
+
+def _text_of(content: Any, parts: list[str]) -> int:
+    """Append the text of message content to `parts`; return the image count."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        parts.append(content)
+        return 0
+    images = 0
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, str):
+                parts.append(block)
+            elif isinstance(block, dict):
+                kind = block.get("type")
+                if isinstance(block.get("text"), str):
+                    parts.append(block["text"])
+                elif kind in ("image", "image_url", "input_image"):
+                    images += 1
+                elif kind == "tool_use":
+                    parts.append(block.get("name") or "")
+                    parts.append(orjson.dumps(block.get("input") or {}).decode())
+                elif kind == "tool_result":
+                    images += _text_of(block.get("content"), parts)
+    return images
+
+
+def _message_tokens(parts: list[str], images: int) -> int:
+    return TOKENS_PER_MESSAGE + count_tokens("".join(parts)) + TOKENS_PER_IMAGE * images
+
+
+def _tools_tokens(tools: Any) -> int:
+    return count_tokens(orjson.dumps(tools).decode()) if tools else 0
+
+
+def chat_input_tokens(body: dict[str, Any]) -> int:
+    total = BASE_INPUT_TOKENS + _tools_tokens(body.get("tools"))
+    for msg in body.get("messages") or ():
+        parts: list[str] = []
+        images = _text_of(msg.get("content"), parts)
+        for call in msg.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            parts.append(fn.get("name") or "")
+            parts.append(fn.get("arguments") or "")
+        total += _message_tokens(parts, images)
+    return total
+
+
+def responses_input_tokens(body: dict[str, Any]) -> int:
+    total = BASE_INPUT_TOKENS + _tools_tokens(body.get("tools"))
+    if body.get("instructions"):
+        total += _message_tokens([body["instructions"]], 0)
+    items = body.get("input")
+    if isinstance(items, str):
+        return total + _message_tokens([items], 0)
+    for item in items or ():
+        parts: list[str] = []
+        images = 0
+        kind = item.get("type")
+        if kind == "function_call":
+            parts.append(item.get("name") or "")
+            parts.append(item.get("arguments") or "")
+        elif kind == "function_call_output":
+            images = _text_of(item.get("output"), parts)
+        else:
+            images = _text_of(item.get("content"), parts)
+        total += _message_tokens(parts, images)
+    return total
+
+
+def anthropic_input_tokens(body: dict[str, Any]) -> int:
+    """All input tokens of a messages request (before splitting off cache reads and writes)."""
+    total = BASE_INPUT_TOKENS + _tools_tokens(body.get("tools"))
+    if body.get("system"):
+        parts: list[str] = []
+        _text_of(body["system"], parts)
+        total += _message_tokens(parts, 0)
+    for msg in body.get("messages") or ():
+        parts = []
+        images = _text_of(msg.get("content"), parts)
+        total += _message_tokens(parts, images)
+    return total
+
+
+def _prompt_tokens(value: Any) -> int:
+    """Tokens of a legacy-completions prompt or an embeddings input (text or token arrays)."""
+    if isinstance(value, str):
+        return count_tokens(value)
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return len(value)
+        return sum(_prompt_tokens(v) for v in value)
+    return 0
+
+
+# --------------------------------------------------------------------------- turn counting
+
+
+def _chat_turns(body: dict[str, Any]) -> int:
+    return sum(1 for m in body.get("messages") or () if isinstance(m, dict) and m.get("role") == "assistant")
+
+
+def _anthropic_turns(body: dict[str, Any]) -> int:
+    msgs = [m for m in body.get("messages") or () if isinstance(m, dict)]
+    turns = sum(1 for m in msgs if m.get("role") == "assistant")
+    if msgs and msgs[-1].get("role") == "assistant":
+        turns -= 1  # a trailing assistant message is a prefill, not a finished turn
+    return turns
+
+
+_ASSISTANT_ITEMS = frozenset({"function_call", "reasoning"})
+
+
+def _responses_turns(items: Any) -> int:
+    """Runs of consecutive assistant output items (parallel calls are one turn)."""
+    if not isinstance(items, list):
+        return 0
+    turns = 0
+    in_turn = False
+    for item in items:
+        if not isinstance(item, dict):
+            in_turn = False
+            continue
+        assistant = item.get("type") in _ASSISTANT_ITEMS or item.get("role") == "assistant"
+        if assistant and not in_turn:
+            turns += 1
+        in_turn = assistant
+    return turns
+
+
+# --------------------------------------------------------------------------- wire helpers
+
+_JSON = "application/json"
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+_OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+}
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def _sse_data(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _sse_event(name: bytes, obj: Any) -> bytes:
+    return b"event: " + name + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def _openai_error_body(
+    status: int, message: str, etype: str | None, param: Any = None, code: Any = None
+) -> bytes:
+    etype = etype or _OPENAI_ERROR_TYPES.get(status, "server_error")
+    return orjson.dumps({"error": {"message": message, "type": etype, "param": param, "code": code}})
+
+
+def _anthropic_error_body(status: int, message: str, etype: str | None, request_id: str) -> bytes:
+    etype = etype or _ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+    return orjson.dumps(
+        {"type": "error", "error": {"type": etype, "message": message}, "request_id": request_id}
+    )
+
+
+def _limit(body: dict[str, Any], *names: str, default: int | None = None) -> int | None:
+    """The output-token limit: the first of `names` present in the body."""
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _BadRequest(
+                f"Invalid '{name}': expected an integer >= 1, got {value!r}.", name, "invalid_value"
+            )
+        return value
+    return default
+
+
+def _check_chat_tools(body: dict[str, Any]) -> None:
+    """Reject what the real chat API rejects, so a proxy that strips tools carelessly is caught."""
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and tools):
+        raise _BadRequest(
+            "Invalid 'tools': empty array. Expected an array with minimum length 1, but got an empty array "
+            "instead.",
+            "tools",
+            "empty_array",
+        )
+    if not tools:
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if body.get(name) is not None:
+                raise _BadRequest(
+                    f"Invalid value for '{name}': '{name}' is only allowed when 'tools' are specified.",
+                    name,
+                )
+
+
+async def _pause(step: Step, stream: bool) -> None:
+    """A step's wait before the response starts (a non-stream answer also takes its stall)."""
+    wait = step.delay_s + (0.0 if stream else step.stall_s)
+    if wait:
+        await asyncio.sleep(wait)
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    if not text:
+        return []
+    # At most ~64 pieces, so long answers do not turn into thousands of tiny events.
+    size = max(size, math.ceil(len(text) / 64))
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def _embedding(text: str, dims: int) -> list[float]:
+    raw = hashlib.shake_128(text.encode()).digest(2 * dims)
+    vec = [v / 32767.5 - 1.0 for v in struct.unpack(f"<{dims}H", raw)]
+    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+    return [round(v / norm, 6) for v in vec]
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class ScriptedUpstream:
+    """A fake OpenAI/Anthropic upstream that plays scripts. See the module docstring.
+
+    Typical async fixture::
+
+        upstream = ScriptedUpstream({"refund": [{"tool_calls": [...]}, {"text": "Done."}]})
+        url = await upstream.start()
+        yield upstream            # OpenAI base_url = f"{url}/v1"; Anthropic base_url = url
+        await upstream.stop()
+
+    `scripts` may be changed while running (`upstream.scripts["x"] = [{...}, ...]`; dict steps are
+    validated when played). `record=False` turns off request recording (for long benchmarks).
+    `chunk_chars` is the size of streamed text/argument pieces.
+    """
+
+    def __init__(
+        self,
+        scripts: Mapping[str, Iterable[Step | Mapping[str, Any]]] | None = None,
+        *,
+        record: bool = True,
+        chunk_chars: int = 16,
+    ) -> None:
+        self.scripts: dict[str, list[Step | Mapping[str, Any]]] = {DEFAULT_SCRIPT: [_DEFAULT_STEP]}
+        self.scripts.update(_parse_scripts(scripts or {}))
+        self.requests: list[RecordedRequest] = []
+        self.record = record
+        self.chunk_chars = max(1, chunk_chars)
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._id_prefix = secrets.token_hex(6)
+        self._seq = itertools.count(1)
+        # Turns behind each Responses id this server issued, for `previous_response_id`.
+        self._response_turns: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on host:port (0 = any free port); return the base URL `http://host:port`."""
+        # A short shutdown timeout: stop() must not wait for stalled streams to play out.
+        runner = web.AppRunner(
+            make_app(self), handler_cancellation=True, access_log=None, shutdown_timeout=0.1
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._runner = runner
+        bound_host, bound_port = runner.addresses[0][:2]
+        self.url = f"http://{bound_host}:{bound_port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> ScriptedUpstream:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def clear(self) -> None:
+        """Forget recorded requests (scripts are kept)."""
+        self.requests.clear()
+        self.max_in_flight = self.in_flight
+
+    # ------------------------------------------------------------------ observability helpers
+
+    def hits(self, path: str | None = None) -> int:
+        """How many requests arrived (for `path` only, when given)."""
+        if path is None:
+            return len(self.requests)
+        return sum(1 for r in self.requests if r.path == path)
+
+    @property
+    def last(self) -> RecordedRequest:
+        return self.requests[-1]
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}{self._id_prefix}{next(self._seq):010d}"
+
+    def _step(self, script: str, index: int) -> Step:
+        steps = self.scripts[script]
+        if not steps:
+            return _DEFAULT_STEP
+        index = min(index, len(steps) - 1)
+        step = steps[index]
+        if isinstance(step, Step):
+            return step
+        try:
+            return Step.from_dict(step)
+        except ValueError as e:
+            raise _BadRequest(f"{SCRIPT_HEADER}: script {script!r} step {index}: {e}") from None
+
+    def _answer(
+        self,
+        rec: RecordedRequest,
+        step: Step,
+        input_tokens: int,
+        limit: int | None,
+        tools_allowed: bool,
+        call_prefix: str,
+    ) -> _Answer:
+        if step.input_tokens is not None:
+            input_tokens = step.input_tokens
+        # Scripted cache numbers are honoured as given: they raise the input when larger than it.
+        input_tokens = max(input_tokens, step.cache_read_tokens + step.cache_write_tokens)
+        budget = limit if limit is not None else 1 << 62
+        reasoning = min(step.reasoning_tokens, budget)
+        truncated = reasoning < step.reasoning_tokens
+        budget -= reasoning
+        if step.text_tokens is not None:
+            text = filler_text(min(step.text_tokens, budget))
+            truncated = truncated or step.text_tokens > budget
+        else:
+            if step.text is not None:
+                text = step.text
+            elif step.tool_calls:
+                text = "" if tools_allowed else FALLBACK_TEXT
+            else:
+                text = DEFAULT_TEXT
+            if count_tokens(text) > budget:
+                text = truncate_to_tokens(text, budget)
+                truncated = True
+        used = count_tokens(text)
+        budget -= used
+        output = reasoning + used
+        calls: list[_Call] = []
+        if tools_allowed and not truncated:
+            for spec in step.tool_calls:
+                need = count_tokens(spec.arguments)
+                if need > budget:
+                    truncated = True
+                    if budget > 0:
+                        args = truncate_to_tokens(spec.arguments, budget)
+                        calls.append(_Call(self._new_id(call_prefix), spec.name, args, spec.input, True))
+                        output += count_tokens(args)
+                    break
+                calls.append(_Call(self._new_id(call_prefix), spec.name, spec.arguments, spec.input, False))
+                budget -= need
+                output += need
+        if output == 0:
+            output = 1  # a turn always emits at least one (end-of-turn) token
+        rec.usage = Usage(
+            input_tokens=input_tokens,
+            output_tokens=output,
+            cache_read_tokens=step.cache_read_tokens,
+            cache_write_tokens=step.cache_write_tokens,
+            reasoning_tokens=reasoning,
+        )
+        return _Answer(
+            text=text,
+            calls=calls,
+            reasoning_tokens=reasoning,
+            output_tokens=output,
+            truncated=truncated,
+            input_tokens=input_tokens,
+            cache_read_tokens=step.cache_read_tokens,
+            cache_write_tokens=step.cache_write_tokens,
+        )
+
+    async def _begin(self, request: web.Request) -> tuple[RecordedRequest, Any]:
+        raw = await request.read()
+        body: Any = None
+        parse_error = False
+        if raw:
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                parse_error = True
+        rec = RecordedRequest(
+            method=request.method,
+            path=request.path,
+            query=request.query_string,
+            headers={k.lower(): v for k, v in request.headers.items()},
+            body=body,
+            script=request.headers.get(SCRIPT_HEADER, DEFAULT_SCRIPT),
+        )
+        if self.record:
+            self.requests.append(rec)
+        if parse_error or (request.method == "POST" and not isinstance(body, dict)):
+            raise _BadRequest(
+                "We could not parse the JSON body of your request. The body must be a JSON object."
+            )
+        return rec, body
+
+    def _pick_step(self, rec: RecordedRequest, turns: int) -> Step:
+        if rec.script not in self.scripts:
+            raise _BadRequest(
+                f"{SCRIPT_HEADER}: unknown script {rec.script!r}; known: {sorted(self.scripts)}",
+                SCRIPT_HEADER,
+            )
+        rec.step = turns
+        return self._step(rec.script, turns)
+
+    async def _run(self, rec: RecordedRequest, coro: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """Track in-flight requests and client disconnects around one handler body."""
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            # With handler cancellation on, a client that goes away cancels the handler.
+            if not rec.dropped:
+                rec.disconnected = True
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _stream(
+        self,
+        request: web.Request,
+        rec: RecordedRequest,
+        step: Step,
+        events: list[bytes],
+        stall_at: int,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        if step.drop_after_events == 0:
+            self._drop(request, rec)
+        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers, **dict(step.headers)})
+        await resp.prepare(request)
+        try:
+            last = len(events) - 1
+            for i, event in enumerate(events):
+                await resp.write(event)
+                if step.drop_after_events == i + 1:
+                    self._drop(request, rec)
+                if i == stall_at and step.stall_s:
+                    await asyncio.sleep(step.stall_s)
+                elif step.chunk_delay_s and i < last:
+                    await asyncio.sleep(step.chunk_delay_s)
+            await resp.write_eof()
+        except ConnectionError:
+            rec.disconnected = True
+            return resp
+        rec.completed = True
+        return resp
+
+    def _drop(self, request: web.Request, rec: RecordedRequest) -> NoReturn:
+        """Close the connection without finishing the response, like a provider that failed."""
+        rec.dropped = True
+        if request.transport is not None:
+            request.transport.close()  # flushes what was written, then closes (no final chunk)
+        # aiohttp treats a cancelled handler as a gone connection: nothing more is written or logged.
+        raise asyncio.CancelledError
+
+    def _reply(
+        self, request: web.Request, rec: RecordedRequest, step: Step, body: bytes, headers: dict[str, str]
+    ) -> web.Response:
+        """A successful non-stream answer (or the connection dropped, when the step says so)."""
+        if step.drop_after_events is not None:
+            self._drop(request, rec)
+        return self._json(rec, 200, body, headers)
+
+    def _json(self, rec: RecordedRequest, status: int, body: bytes, headers: dict[str, str]) -> web.Response:
+        rec.status = status
+        rec.completed = True
+        return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
+
+    # ================================================================== OpenAI
+
+    def _openai_headers(self, step: Step | None) -> dict[str, str]:
+        headers = {"x-request-id": self._new_id("req_"), "openai-processing-ms": "1"}
+        if step is not None and step.headers:
+            headers.update(step.headers)
+        return headers
+
+    def _openai_fail(self, rec: RecordedRequest | None, e: _BadRequest, status: int = 400) -> web.Response:
+        body = _openai_error_body(status, e.message, None, e.param, e.code)
+        if rec is None:
+            return web.Response(status=status, body=body, content_type=_JSON)
+        return self._json(rec, status, body, self._openai_headers(None))
+
+    def _openai_step_error(self, rec: RecordedRequest, step: Step) -> web.Response:
+        assert step.status is not None
+        body = _openai_error_body(
+            step.status,
+            step.error or "The server had an error while processing your request.",
+            step.error_type,
+            None,
+            step.error_code,
+        )
+        return self._json(rec, step.status, body, self._openai_headers(step))
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        rec: RecordedRequest | None = None
+        try:
+            rec, body = await self._begin(request)
+            return await self._run(rec, self._chat(request, rec, body))
+        except _BadRequest as e:
+            return self._openai_fail(rec, e)
+
+    async def _chat(
+        self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        if not isinstance(body.get("messages"), list):
+            raise _BadRequest(
+                "Missing required parameter: 'messages'.", "messages", "missing_required_parameter"
+            )
+        if not isinstance(body.get("model"), str):
+            raise _BadRequest("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+        _check_chat_tools(body)
+        limit = _limit(body, "max_completion_tokens", "max_tokens")
+        step = self._pick_step(rec, _chat_turns(body))
+        rec.stream = bool(body.get("stream"))
+        await _pause(step, rec.stream)
+        if step.status:
+            return self._openai_step_error(rec, step)
+        tools_allowed = bool(body.get("tools") or body.get("functions")) and body.get("tool_choice") != "none"
+        ans = self._answer(rec, step, chat_input_tokens(body), limit, tools_allowed, "call_")
+        finish = "length" if ans.truncated else "tool_calls" if ans.calls else "stop"
+        usage = _openai_usage(ans)
+        model = body["model"]
+        rid = self._new_id("chatcmpl-")
+        created = int(time.time())
+        headers = self._openai_headers(step)
+        if not rec.stream:
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": ans.text if ans.text or not ans.calls else None,
+                "refusal": None,
+                "annotations": [],
+            }
+            if ans.calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in ans.calls
+                ]
+            out = {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": usage,
+                "service_tier": "default",
+                "system_fingerprint": "fp_runcapmock",
+            }
+            return self._reply(request, rec, step, orjson.dumps(out), headers)
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        base: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "service_tier": "default",
+            "system_fingerprint": "fp_runcapmock",
+        }
+        if include_usage:
+            base["usage"] = None
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return _sse_data({**base, "choices": [choice]})
+
+        events: list[bytes] = []
+        pieces = _pieces(ans.text, self.chunk_chars)
+        if pieces or not ans.calls:
+            events.append(chunk({"role": "assistant", "content": "", "refusal": None}))
+            events.extend(chunk({"content": p}) for p in pieces)
+        for index, c in enumerate(ans.calls):
+            head: dict[str, Any] = {
+                "index": index,
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": ""},
+            }
+            if events:
+                events.append(chunk({"tool_calls": [head]}))
+            else:  # like OpenAI: the role rides on the first tool-call delta
+                events.append(
+                    chunk({"role": "assistant", "content": None, "tool_calls": [head], "refusal": None})
+                )
+            events.extend(
+                chunk({"tool_calls": [{"index": index, "function": {"arguments": p}}]})
+                for p in _pieces(c.arguments, self.chunk_chars)
+            )
+        events.append(chunk({}, finish))
+        if include_usage:
+            events.append(_sse_data({**base, "choices": [], "usage": usage}))
+        events.append(_SSE_DONE)
+        return await self._stream(request, rec, step, events, min(1, len(events) - 1), headers)
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        rec: RecordedRequest | None = None
+        try:
+            rec, body = await self._begin(request)
+            return await self._run(rec, self._completions(request, rec, body))
+        except _BadRequest as e:
+            return self._openai_fail(rec, e)
+
+    async def _completions(
+        self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        if "prompt" not in body:
+            raise _BadRequest("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
+        limit = _limit(body, "max_tokens", default=LEGACY_COMPLETIONS_DEFAULT_MAX_TOKENS)
+        step = self._pick_step(rec, 0)
+        rec.stream = bool(body.get("stream"))
+        await _pause(step, rec.stream)
+        if step.status:
+            return self._openai_step_error(rec, step)
+        ans = self._answer(rec, step, _prompt_tokens(body.get("prompt")), limit, False, "call_")
+        finish = "length" if ans.truncated else "stop"
+        usage = _openai_usage(ans)
+        base: dict[str, Any] = {
+            "id": self._new_id("cmpl-"),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "system_fingerprint": "fp_runcapmock",
+        }
+        headers = self._openai_headers(step)
+        if not rec.stream:
+            choice = {"text": ans.text, "index": 0, "logprobs": None, "finish_reason": finish}
+            return self._reply(
+                request, rec, step, orjson.dumps({**base, "choices": [choice], "usage": usage}), headers
+            )
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if include_usage:
+            base["usage"] = None
+        events = [
+            _sse_data({**base, "choices": [{"text": p, "index": 0, "logprobs": None, "finish_reason": None}]})
+            for p in _pieces(ans.text, self.chunk_chars)
+        ]
+        events.append(
+            _sse_data(
+                {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": finish}]}
+            )
+        )
+        if include_usage:
+            events.append(_sse_data({**base, "choices": [], "usage": usage}))
+        events.append(_SSE_DONE)
+        return await self._stream(request, rec, step, events, 0, headers)
+
+    async def handle_embeddings(self, request: web.Request) -> web.StreamResponse:
+        rec: RecordedRequest | None = None
+        try:
+            rec, body = await self._begin(request)
+            return await self._run(rec, self._embeddings(request, rec, body))
+        except _BadRequest as e:
+            return self._openai_fail(rec, e)
+
+    async def _embeddings(
+        self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        value = body.get("input")
+        if value is None:
+            raise _BadRequest("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+        step = self._pick_step(rec, 0)
+        await _pause(step, False)
+        if step.status:
+            return self._openai_step_error(rec, step)
+        if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
+            inputs: list[Any] = [value]
+        else:
+            inputs = list(value)
+        dims = body.get("dimensions") or EMBEDDING_DIMENSIONS
+        if not isinstance(dims, int) or not 1 <= dims <= 4096:
+            raise _BadRequest(f"Invalid 'dimensions': {dims!r}.", "dimensions", "invalid_value")
+        as_base64 = body.get("encoding_format") == "base64"
+        data = []
+        for i, item in enumerate(inputs):
+            vec = _embedding(item if isinstance(item, str) else orjson.dumps(item).decode(), dims)
+            embedding: Any = base64.b64encode(struct.pack(f"<{dims}f", *vec)).decode() if as_base64 else vec
+            data.append({"object": "embedding", "index": i, "embedding": embedding})
+        tokens = step.input_tokens if step.input_tokens is not None else _prompt_tokens(inputs)
+        rec.usage = Usage(input_tokens=tokens)
+        out = {
+            "object": "list",
+            "data": data,
+            "model": body.get("model"),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return self._reply(request, rec, step, orjson.dumps(out), self._openai_headers(step))
+
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        model_id = request.match_info.get("model")
+        if model_id is not None:
+            body = {"id": model_id, "object": "model", "created": 1_700_000_000, "owned_by": "runcap-mock"}
+        else:
+            data = [
+                {"id": m, "object": "model", "created": 1_700_000_000, "owned_by": "runcap-mock"}
+                for m in MODELS
+            ]
+            body = {"object": "list", "data": data}
+        if self.record:
+            self.requests.append(
+                RecordedRequest(
+                    request.method,
+                    request.path,
+                    request.query_string,
+                    {k.lower(): v for k, v in request.headers.items()},
+                    None,
+                    completed=True,
+                )
+            )
+        return web.Response(body=orjson.dumps(body), content_type=_JSON)
+
+    # ================================================================== OpenAI Responses
+
+    async def handle_responses(self, request: web.Request) -> web.StreamResponse:
+        rec: RecordedRequest | None = None
+        try:
+            rec, body = await self._begin(request)
+            return await self._run(rec, self._responses(request, rec, body))
+        except _BadRequest as e:
+            return self._openai_fail(rec, e)
+
+    async def _responses(
+        self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        items = body.get("input")
+        if not isinstance(items, (str, list)):
+            raise _BadRequest("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+        if not isinstance(body.get("model"), str):
+            raise _BadRequest("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+        limit = _limit(body, "max_output_tokens")
+        turns = _responses_turns(items)
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if previous not in self._response_turns:
+                raise _BadRequest(
+                    f"Previous response with id '{previous}' not found.",
+                    "previous_response_id",
+                    "previous_response_not_found",
+                )
+            turns += self._response_turns[previous]
+        step = self._pick_step(rec, turns)
+        rec.stream = bool(body.get("stream"))
+        await _pause(step, rec.stream)
+        if step.status:
+            return self._openai_step_error(rec, step)
+        tools = body.get("tools") or []
+        tools_allowed = bool(tools) and body.get("tool_choice") != "none"
+        ans = self._answer(rec, step, responses_input_tokens(body), limit, tools_allowed, "call_")
+        rid = self._new_id("resp_")
+        self._response_turns[rid] = turns + 1
+        if len(self._response_turns) > _MAX_REMEMBERED_RESPONSES:
+            del self._response_turns[next(iter(self._response_turns))]  # the oldest
+        headers = self._openai_headers(step)
+
+        output: list[dict[str, Any]] = []
+        if ans.reasoning_tokens:
+            output.append({"id": self._new_id("rs_"), "type": "reasoning", "summary": []})
+        if ans.text or not ans.calls:
+            status = "incomplete" if ans.truncated and not ans.calls else "completed"
+            part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ans.text}
+            output.append(
+                {
+                    "id": self._new_id("msg_"),
+                    "type": "message",
+                    "status": status,
+                    "content": [part],
+                    "role": "assistant",
+                }
+            )
+        for c in ans.calls:
+            output.append(
+                {
+                    "id": self._new_id("fc_"),
+                    "type": "function_call",
+                    "status": "incomplete" if c.partial else "completed",
+                    "arguments": c.arguments,
+                    "call_id": c.id,
+                    "name": c.name,
+                }
+            )
+        now = int(time.time())
+        final = {
+            "id": rid,
+            "object": "response",
+            "created_at": now,
+            "status": "incomplete" if ans.truncated else "completed",
+            "background": False,
+            "completed_at": None if ans.truncated else now,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if ans.truncated else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": limit,
+            "max_tool_calls": body.get("max_tool_calls"),
+            "model": body["model"],
+            "output": output,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default",
+            "store": body.get("store", True),
+            "temperature": body.get("temperature", 1.0),
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": tools,
+            "top_p": body.get("top_p", 1.0),
+            "truncation": "disabled",
+            "usage": _responses_usage(ans),
+            "user": None,
+            "metadata": body.get("metadata") or {},
+        }
+        if not rec.stream:
+            return self._reply(request, rec, step, orjson.dumps(final), headers)
+
+        seq = itertools.count()
+        events: list[bytes] = []
+
+        def emit(name: str, payload: dict[str, Any]) -> None:
+            payload = {"type": name, "sequence_number": next(seq), **payload}
+            events.append(_sse_event(name.encode(), payload))
+
+        pending = {
+            **final,
+            "status": "in_progress",
+            "completed_at": None,
+            "incomplete_details": None,
+            "output": [],
+            "usage": None,
+        }
+        emit("response.created", {"response": pending})
+        emit("response.in_progress", {"response": pending})
+        stall_at: int | None = None  # stall after the first delta of the first item
+        for index, item in enumerate(output):
+            kind = item["type"]
+            if kind == "message":
+                item_id = item["id"]
+                text = item["content"][0]["text"]
+                emit(
+                    "response.output_item.added",
+                    {"output_index": index, "item": {**item, "status": "in_progress", "content": []}},
+                )
+                empty_part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+                emit(
+                    "response.content_part.added",
+                    {"item_id": item_id, "output_index": index, "content_index": 0, "part": empty_part},
+                )
+                if stall_at is None:
+                    stall_at = len(events)
+                for p in _pieces(text, self.chunk_chars):
+                    emit(
+                        "response.output_text.delta",
+                        {
+                            "item_id": item_id,
+                            "output_index": index,
+                            "content_index": 0,
+                            "delta": p,
+                            "logprobs": [],
+                        },
+                    )
+                emit(
+                    "response.output_text.done",
+                    {
+                        "item_id": item_id,
+                        "output_index": index,
+                        "content_index": 0,
+                        "text": text,
+                        "logprobs": [],
+                    },
+                )
+                emit(
+                    "response.content_part.done",
+                    {
+                        "item_id": item_id,
+                        "output_index": index,
+                        "content_index": 0,
+                        "part": item["content"][0],
+                    },
+                )
+            elif kind == "function_call":
+                item_id = item["id"]
+                emit(
+                    "response.output_item.added",
+                    {"output_index": index, "item": {**item, "status": "in_progress", "arguments": ""}},
+                )
+                if stall_at is None:
+                    stall_at = len(events)
+                for p in _pieces(item["arguments"], self.chunk_chars):
+                    emit(
+                        "response.function_call_arguments.delta",
+                        {"item_id": item_id, "output_index": index, "delta": p},
+                    )
+                emit(
+                    "response.function_call_arguments.done",
+                    {"item_id": item_id, "output_index": index, "arguments": item["arguments"]},
+                )
+            else:
+                emit("response.output_item.added", {"output_index": index, "item": item})
+            emit("response.output_item.done", {"output_index": index, "item": item})
+        # A response cut by max_output_tokens ends with `response.incomplete`, as on the real API.
+        emit("response.incomplete" if ans.truncated else "response.completed", {"response": final})
+        stall_at = 2 if stall_at is None else stall_at
+        return await self._stream(request, rec, step, events, stall_at, headers)
+
+    # ================================================================== Anthropic
+
+    def _anthropic_headers(self, step: Step | None) -> dict[str, str]:
+        headers = {"request-id": self._new_id("req_")}
+        if step is not None and step.headers:
+            headers.update(step.headers)
+        return headers
+
+    def _anthropic_fail(
+        self, rec: RecordedRequest | None, message: str, status: int = 400, etype: str | None = None
+    ) -> web.Response:
+        headers = self._anthropic_headers(None)
+        body = _anthropic_error_body(status, message, etype, headers["request-id"])
+        if rec is None:
+            return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
+        return self._json(rec, status, body, headers)
+
+    async def handle_messages(self, request: web.Request) -> web.StreamResponse:
+        rec: RecordedRequest | None = None
+        try:
+            rec, body = await self._begin(request)
+            return await self._run(rec, self._messages(request, rec, body))
+        except _BadRequest as e:
+            return self._anthropic_fail(rec, e.message)
+
+    async def handle_count_tokens(self, request: web.Request) -> web.StreamResponse:
+        rec: RecordedRequest | None = None
+        try:
+            rec, body = await self._begin(request)
+        except _BadRequest as e:
+            return self._anthropic_fail(rec, e.message)
+        tokens = anthropic_input_tokens(body)
+        return self._json(rec, 200, orjson.dumps({"input_tokens": tokens}), self._anthropic_headers(None))
+
+    async def _messages(
+        self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        for name in ("model", "messages", "max_tokens"):
+            if name not in body:
+                raise _BadRequest(f"{name}: Field required")
+        if not isinstance(body["messages"], list):
+            raise _BadRequest("messages: Input should be a valid list")
+        limit = body["max_tokens"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise _BadRequest("max_tokens: Input should be greater than or equal to 1")
+        step = self._pick_step(rec, _anthropic_turns(body))
+        rec.stream = bool(body.get("stream"))
+        await _pause(step, rec.stream)
+        if step.status:
+            headers = self._anthropic_headers(step)
+            message = step.error or "Internal server error"
+            err = _anthropic_error_body(step.status, message, step.error_type, headers["request-id"])
+            return self._json(rec, step.status, err, headers)
+        tool_choice = body.get("tool_choice") or {}
+        tools_allowed = bool(body.get("tools")) and tool_choice.get("type") != "none"
+        ans = self._answer(rec, step, anthropic_input_tokens(body), limit, tools_allowed, "toolu_")
+        # Anthropic cannot return a half-written tool_use block's input: a cut call is dropped.
+        calls = [c for c in ans.calls if not c.partial]
+        stop = "max_tokens" if ans.truncated else "tool_use" if calls else "end_turn"
+        usage = _anthropic_usage(ans)
+        content: list[dict[str, Any]] = []
+        if ans.text or not calls:
+            content.append({"type": "text", "text": ans.text})
+        content.extend({"type": "tool_use", "id": c.id, "name": c.name, "input": c.input} for c in calls)
+        msg_id = self._new_id("msg_")
+        headers = self._anthropic_headers(step)
+        message_obj = {
+            "id": msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": body["model"],
+            "content": content,
+            "stop_reason": stop,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        if not rec.stream:
+            return self._reply(request, rec, step, orjson.dumps(message_obj), headers)
+
+        start_usage = {**usage, "output_tokens": 1}
+        events = [
+            _sse_event(
+                b"message_start",
+                {
+                    "type": "message_start",
+                    "message": {**message_obj, "content": [], "stop_reason": None, "usage": start_usage},
+                },
+            )
+        ]
+        stall_at = 0
+        for index, block in enumerate(content):
+            if block["type"] == "text":
+                events.append(
+                    _sse_event(
+                        b"content_block_start",
+                        {
+                            "type": "content_block_start",
+                            "index": index,
+                            "content_block": {"type": "text", "text": ""},
+                        },
+                    )
+                )
+                deltas = [{"type": "text_delta", "text": p} for p in _pieces(block["text"], self.chunk_chars)]
+            else:
+                c = calls[index - (len(content) - len(calls))]
+                events.append(
+                    _sse_event(
+                        b"content_block_start",
+                        {
+                            "type": "content_block_start",
+                            "index": index,
+                            "content_block": {**block, "input": {}},
+                        },
+                    )
+                )
+                deltas = [{"type": "input_json_delta", "partial_json": ""}]
+                deltas.extend(
+                    {"type": "input_json_delta", "partial_json": p}
+                    for p in _pieces(c.arguments, self.chunk_chars)
+                )
+            if index == 0:
+                events.append(_sse_event(b"ping", {"type": "ping"}))
+            for i, delta in enumerate(deltas):
+                events.append(
+                    _sse_event(
+                        b"content_block_delta",
+                        {"type": "content_block_delta", "index": index, "delta": delta},
+                    )
+                )
+                if index == 0 and i == 0:
+                    stall_at = len(events) - 1
+            events.append(_sse_event(b"content_block_stop", {"type": "content_block_stop", "index": index}))
+        events.append(
+            _sse_event(
+                b"message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop, "stop_sequence": None},
+                    "usage": {k: usage[k] for k in _ANTHROPIC_DELTA_USAGE_KEYS},
+                },
+            )
+        )
+        events.append(_sse_event(b"message_stop", {"type": "message_stop"}))
+        return await self._stream(request, rec, step, events, stall_at, headers)
+
+    # ================================================================== fallbacks
+
+    async def handle_not_found(self, request: web.Request) -> web.StreamResponse:
+        if self.record:
+            with contextlib.suppress(Exception):
+                await self._begin(request)
+            if self.requests:
+                self.requests[-1].status = 404
+                self.requests[-1].completed = True
+        if request.path.startswith("/v1/messages"):
+            return self._anthropic_fail(None, f"Not found: {request.method} {request.path}", 404)
+        body = _openai_error_body(404, f"Invalid URL ({request.method} {request.path})", None)
+        return web.Response(status=404, body=body, content_type=_JSON)
+
+
+# Cumulative usage in Anthropic's message_delta (the current API repeats the input counts there).
+_ANTHROPIC_DELTA_USAGE_KEYS = (
+    "input_tokens",
+    "cache_creation_input_tokens",
+    "cache_read_input_tokens",
+    "output_tokens",
+)
+
+
+def _openai_usage(ans: _Answer) -> dict[str, Any]:
+    prompt_details: dict[str, int] = {"cached_tokens": ans.cache_read_tokens, "audio_tokens": 0}
+    if ans.cache_write_tokens:
+        prompt_details["cache_write_tokens"] = ans.cache_write_tokens
+    return {
+        "prompt_tokens": ans.input_tokens,
+        "completion_tokens": ans.output_tokens,
+        "total_tokens": ans.input_tokens + ans.output_tokens,
+        "prompt_tokens_details": prompt_details,
+        "completion_tokens_details": {
+            "reasoning_tokens": ans.reasoning_tokens,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+def _responses_usage(ans: _Answer) -> dict[str, Any]:
+    return {
+        "input_tokens": ans.input_tokens,
+        "input_tokens_details": {
+            "cached_tokens": ans.cache_read_tokens,
+            "cache_write_tokens": ans.cache_write_tokens,
+        },
+        "output_tokens": ans.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": ans.reasoning_tokens},
+        "total_tokens": ans.input_tokens + ans.output_tokens,
+    }
+
+
+def _anthropic_usage(ans: _Answer) -> dict[str, Any]:
+    # Anthropic's input_tokens excludes the tokens read from and written to the cache.
+    return {
+        "input_tokens": ans.input_tokens - ans.cache_read_tokens - ans.cache_write_tokens,
+        "cache_creation_input_tokens": ans.cache_write_tokens,
+        "cache_read_input_tokens": ans.cache_read_tokens,
+        "output_tokens": ans.output_tokens,
+        "service_tier": "standard",
+    }
+
+
+def make_app(upstream: ScriptedUpstream) -> web.Application:
+    """The aiohttp application serving `upstream` (routes only; no middleware on the hot path)."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/chat/completions", upstream.handle_chat)
+    app.router.add_post("/v1/responses", upstream.handle_responses)
+    app.router.add_post("/v1/completions", upstream.handle_completions)
+    app.router.add_post("/v1/embeddings", upstream.handle_embeddings)
+    app.router.add_post("/v1/messages", upstream.handle_messages)
+    app.router.add_post("/v1/messages/count_tokens", upstream.handle_count_tokens)
+    app.router.add_get("/v1/models", upstream.handle_models)
+    app.router.add_get("/v1/models/{model}", upstream.handle_models)
+    app.router.add_route("*", "/{tail:.*}", upstream.handle_not_found)
+    return app
+
+
+def run(host: str = "127.0.0.1", port: int = 8000, script_path: str | None = None) -> None:
+    """Serve until interrupted (`runcap mock-upstream --listen H:P --script FILE`).
+
+    Requests are not recorded here: nothing in-process reads them, and a long benchmark would
+    otherwise grow memory without bound.
+    """
+    scripts = load_scripts(script_path) if script_path else None
+    upstream = ScriptedUpstream(scripts, record=False)
+
+    async def serve() -> None:
+        url = await upstream.start(host, port)
+        print(f"scripted upstream listening on {url} (scripts: {', '.join(sorted(upstream.scripts))})")
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await upstream.stop()
+
+    try:
+        import uvloop  # type: ignore[import-not-found]
+
+        runner: Any = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(serve())

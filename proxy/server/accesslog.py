@@ -1,0 +1,54 @@
+"""One structured (JSON) log line per request, on the `runcap.access` logger.
+
+Never the request's credentials or bodies: ids, sizes, the decision runcap took and the money.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from proxy.money import format_usd
+from proxy.server.flow import Flow
+
+log = logging.getLogger("runcap.access")
+
+
+class AccessLogStep:
+    async def request(self, flow: Flow) -> None:
+        pass
+
+    async def response(self, flow: Flow) -> None:
+        pass
+
+    async def done(self, flow: Flow) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        record: dict[str, object] = {
+            "run_id": flow.run.run_id if flow.run else None,
+            "step": flow.step or None,
+            "method": flow.request.method,
+            "path": flow.request.path,
+            "upstream": flow.upstream.name,
+            "endpoint": flow.endpoint,
+            "model": flow.info.model if flow.info else None,
+            "status": flow.status,
+            "outcome": flow.outcome,
+            "duration_ms": round(flow.duration_ms, 3),
+        }
+        if flow.ttft_ms is not None:
+            record["ttft_ms"] = round(flow.ttft_ms, 3)
+        if flow.usage is not None:
+            record["input_tokens"] = flow.usage.input_tokens
+            record["output_tokens"] = flow.usage.output_tokens
+            record["cost_usd"] = format_usd(flow.cost_nanos)
+            if not flow.price_known:
+                record["price_known"] = False
+        if flow.clamped_to is not None:
+            record["clamped_to"] = flow.clamped_to
+        if flow.final_step:
+            record["final_step"] = True
+        if flow.error:
+            record["error"] = flow.error[:300]
+        log.info("%s", orjson.dumps(record).decode())

@@ -1,0 +1,186 @@
+"""Wiring: build the aiohttp application from a `Config`, and serve it (one or N processes).
+
+Routes (DESIGN.md): `/v1/...` (OpenAI; `/v1/messages...` Anthropic), `/openai/...`,
+`/anthropic/...`, `/u/{name}/...`, plus the operational routes in `ops.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from proxy.config import Config
+from proxy.errors import NotFound
+from proxy.ledger.base import Ledger
+from proxy.ledger.sqlite import SQLiteLedger
+from proxy.pricing import PriceBook
+from proxy.server.accesslog import AccessLogStep
+from proxy.server.budget import BudgetStep
+from proxy.server.flow import Flights
+from proxy.server.forward import Forwarder
+from proxy.server.metrics import Metrics, MetricsStep
+from proxy.server.ops import AdminGuard, OpsRoutes
+
+log = logging.getLogger("runcap.server")
+
+RECOVERY_INTERVAL_S = 30.0
+
+
+@dataclass
+class Runtime:
+    """What one runcap process owns; reachable from the app as `app[RUNTIME]`."""
+
+    config: Config
+    ledger: Ledger
+    prices: PriceBook
+    metrics: Metrics
+    flights: Flights
+    forwarder: Forwarder | None = None
+    session: aiohttp.ClientSession | None = None
+
+
+RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
+
+
+def open_ledger(config: Config) -> Ledger:
+    if config.redis_url:
+        raise NotImplementedError("RUNCAP_REDIS_URL: the Redis ledger backend is not available yet")
+    return SQLiteLedger(config.data_dir / "ledger.sqlite3")
+
+
+def build_app(config: Config, ledger: Ledger | None = None) -> web.Application:
+    ledger = ledger or open_ledger(config)
+    metrics = Metrics()
+    rt = Runtime(config, ledger, PriceBook(dict(config.prices)), metrics, Flights())
+    app = web.Application(client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536})
+    app[RUNTIME] = rt
+
+    OpsRoutes(ledger, metrics, rt.flights, AdminGuard(config.admin_token)).add_to(app)
+    upstreams = config.upstreams
+
+    def known() -> str:
+        return ", ".join(sorted(upstreams))
+
+    async def openai_v1(request: web.Request) -> web.StreamResponse:
+        tail = request.match_info["tail"]
+        name = "anthropic" if tail == "messages" or tail.startswith("messages/") else "openai"
+        return await _fwd(request, name, "/v1/" + tail)
+
+    async def prefixed(request: web.Request) -> web.StreamResponse:
+        name = request.match_info.get("name") or request.path.split("/", 2)[1]
+        return await _fwd(request, name, "/" + request.match_info["tail"])
+
+    async def _fwd(request: web.Request, name: str, path: str) -> web.StreamResponse:
+        upstream = upstreams.get(name)
+        if upstream is None:
+            return NotFound(
+                f"no upstream named {name!r}; configured upstreams: {known()} "
+                f"(add [upstreams.{name}] to runcap.toml)",
+                param="upstream",
+            ).response("openai")
+        assert rt.forwarder is not None
+        return await rt.forwarder.handle(request, upstream, path)
+
+    app.router.add_route("*", "/v1/{tail:.*}", openai_v1)
+    app.router.add_route("*", "/openai/{tail:.*}", prefixed)
+    app.router.add_route("*", "/anthropic/{tail:.*}", prefixed)
+    app.router.add_route("*", "/u/{name}/{tail:.*}", prefixed)
+
+    async def on_startup(app: web.Application) -> None:
+        rt.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+            auto_decompress=True,
+        )
+        steps = [BudgetStep(config, ledger, rt.prices, metrics), MetricsStep(metrics)]
+        if config.log_requests:
+            steps.append(AccessLogStep())
+        rt.forwarder = Forwarder(config, rt.session, steps, rt.flights, metrics)
+        ledger.recover()
+        app[_RECOVERY] = asyncio.create_task(_recovery_loop(ledger))
+
+    async def on_cleanup(app: web.Application) -> None:
+        app[_RECOVERY].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await app[_RECOVERY]
+        if rt.session is not None:
+            await rt.session.close()
+        ledger.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+_RECOVERY: web.AppKey[asyncio.Task[None]] = web.AppKey("recovery", asyncio.Task)
+
+
+async def _recovery_loop(ledger: Ledger) -> None:
+    """Settle reservations of sibling workers that died while this process lives on."""
+    while True:
+        await asyncio.sleep(RECOVERY_INTERVAL_S)
+        try:
+            ledger.recover()
+        except Exception:
+            log.exception("ledger recovery failed")
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    uvloop.install()
+
+
+def serve(config: Config) -> None:
+    """Serve until SIGINT/SIGTERM, in `config.workers` processes sharing the port."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if config.workers == 1:
+        _serve_one(config, reuse_port=False)
+        return
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_serve_one, args=(config, True), daemon=False)
+        for _ in range(config.workers)
+    ]
+    for p in procs:
+        p.start()
+
+    def stop(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for p in procs:
+        p.join()
+
+
+def _serve_one(config: Config, reuse_port: bool) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _install_uvloop()
+    app = build_app(config)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.listen_host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((config.listen_host, config.listen_port))
+    log.info(
+        '{"event": "listening", "listen": "%s", "pid": %d, "data_dir": "%s", "ledger": "%s"}',
+        config.listen, os.getpid(), config.data_dir, app[RUNTIME].ledger.name,
+    )  # fmt: skip
+    web.run_app(app, sock=sock, print=None, access_log=None, handle_signals=True, shutdown_timeout=10)

@@ -1,0 +1,187 @@
+"""The budget step: reserve before forwarding, clamp or strip the request, settle after.
+
+It sees only the provider-neutral `RequestInfo` / `ResponseInfo` (adapters do the wire-format
+work) and the ledger (which makes the decision atomically). Settlement happens exactly once per
+reservation — when a buffered response is in, or when a stream ends however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from decimal import Decimal
+
+from proxy.config import Config
+from proxy.ledger.base import Ledger, Reservation, RunState, Settlement, StepRequest
+from proxy.money import format_usd, usd_to_nanos
+from proxy.pricing import PriceBook, max_output_tokens
+from proxy.providers.base import Usage
+from proxy.server.flow import Flow
+from proxy.server.metrics import Metrics
+
+log = logging.getLogger("runcap.budget")
+
+_MTOK = Decimal(1_000_000)
+
+
+def pricing_provider(flow: Flow) -> str:
+    """genai-prices provider id: the upstream's name for the built-in upstreams; for any other
+    upstream (vLLM, a gateway, a second key...) its name, which the price book falls back from
+    to matching the model across providers."""
+    return flow.upstream.name
+
+
+class BudgetStep:
+    def __init__(self, config: Config, ledger: Ledger, prices: PriceBook, metrics: Metrics) -> None:
+        self.config = config
+        self.caps = config.caps
+        self.ledger = ledger
+        self.prices = prices
+        self.metrics = metrics
+
+    # -- request ------------------------------------------------------------------------------
+
+    async def request(self, flow: Flow) -> None:
+        run = flow.run
+        assert run is not None
+        if flow.adapter is None or flow.info is None:
+            # A pass-through call reserves nothing, but a cancelled or expired run stays stopped.
+            if not run.generated:
+                flow.state = self._timed(
+                    "touch", self.ledger.touch_run, run.run_id, run.task, run.caps, time.time()
+                )
+            return
+        info = flow.info
+        provider = pricing_provider(flow)
+        rates = self.prices.worst_case_rates(provider, info.model)
+        model_bound = (
+            self.config.model_max_output.get(info.model)
+            or max_output_tokens(provider, info.model)
+            or self.caps.default_output_tokens
+        )
+        req = StepRequest(
+            run_id=run.run_id,
+            task=run.task,
+            caps=run.caps,
+            now=time.time(),
+            model=info.model,
+            input_tokens_bound=info.input_token_bound,
+            client_output_limit=info.max_output_tokens,
+            model_output_bound=model_bound,
+            min_output_tokens=max(self.caps.min_output_tokens, flow.adapter.min_output_limit),
+            input_usd_per_mtok=rates[0] * _MTOK if rates else None,
+            output_usd_per_mtok=rates[1] * _MTOK if rates else None,
+            allow_unpriced=self.caps.allow_unpriced,
+            counts_as_step=flow.adapter.name != "embeddings",
+        )
+        res: Reservation = self._timed("reserve", self.ledger.begin_step, req)
+        flow.reservation = res
+        flow.state = res.state
+        flow.step = res.step
+        body = flow.body_json
+        assert body is not None
+        if res.output_limit is not None:
+            flow.adapter.set_output_limit(body, res.output_limit)
+            flow.body_changed = True
+            if res.clamped:
+                flow.clamped_to = res.output_limit
+        if res.final_step:
+            flow.final_step = True
+            if info.has_tools:
+                flow.adapter.strip_tools(body)
+                flow.body_changed = True
+        if info.stream and flow.adapter.request_stream_usage(body):
+            flow.injected_stream_usage = True
+            flow.body_changed = True
+
+    # -- response -----------------------------------------------------------------------------
+
+    async def response(self, flow: Flow) -> None:
+        if flow.reservation is not None and flow.response_body is not None:
+            self._settle(flow)  # buffered: the exact remaining budget goes in the headers
+        if flow.run is not None and flow.state is not None:
+            flow.reply_headers.update(run_headers(flow, flow.state, time.time()))
+
+    async def done(self, flow: Flow) -> None:
+        if flow.reservation is not None:
+            self._settle(flow)
+
+    def _settle(self, flow: Flow) -> None:
+        res = flow.reservation
+        if res is None:
+            return
+        flow.reservation = None  # exactly once
+        settlement = self.settlement(flow, res)
+        flow.state = self._timed("settle", self.ledger.settle, res, settlement, time.time())
+        self.metrics.settled(flow, settlement)
+
+    def settlement(self, flow: Flow, res: Reservation) -> Settlement:
+        info = flow.response_info
+        usage = info.usage if info else None
+        complete = flow.outcome == "ok"
+        if usage is None:
+            if flow.upstream_status >= 400 or flow.upstream_status == 0:
+                usage = Usage()  # the provider refused or was never reached: nothing was generated
+            else:
+                # Cut, or an upstream that does not report usage: charge the worst case reserved.
+                if complete:
+                    log.warning(
+                        "run %s step %d: %s returned no usage; settled at the reserved worst case",
+                        res.run_id, res.step, flow.upstream.name,
+                    )  # fmt: skip
+                usage = Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens)
+        elif not complete and flow.streamed:
+            # A stream cut before its final usage: what was read so far is a lower bound.
+            usage = Usage(
+                input_tokens=usage.input_tokens or res.input_tokens,
+                output_tokens=max(usage.output_tokens, res.output_tokens),
+                cache_read_tokens=usage.cache_read_tokens,
+                cache_write_tokens=usage.cache_write_tokens,
+                reasoning_tokens=usage.reasoning_tokens,
+            )
+        model = (info.model if info and info.model else "") or (flow.info.model if flow.info else "")
+        cost = self.prices.cost(pricing_provider(flow), model, usage)
+        flow.cost_nanos = usd_to_nanos(cost.usd)
+        flow.price_known = cost.known
+        flow.usage = usage
+        status = {"deadline": "deadline_exceeded", "cancel": "cancelled"}.get(flow.cut_reason or "")
+        return Settlement(
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cost_usd_nanos=flow.cost_nanos,
+            tool_calls_requested=len(info.tool_calls) if info else 0,
+            finished=bool(info and info.finished and complete),
+            run_status=status,
+        )
+
+    def _timed(self, op, fn, *args):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.metrics.ledger_op(op, time.perf_counter() - t0)
+
+
+def run_headers(flow: Flow, state: RunState, now: float) -> dict[str, str]:
+    """X-Run-* response headers: the run, the step, and what is left of each cap."""
+    headers = {"X-Run-Id": state.run_id}
+    step = flow.step
+    if step:
+        headers["X-Run-Step"] = str(step)
+    remaining = state.remaining(now)
+    if remaining["usd_nanos"] is not None:
+        headers["X-Run-Remaining-Usd"] = format_usd(int(remaining["usd_nanos"]))
+    if remaining["tokens"] is not None:
+        headers["X-Run-Remaining-Tokens"] = str(remaining["tokens"])
+    if remaining["steps"] is not None:
+        headers["X-Run-Remaining-Steps"] = str(remaining["steps"])
+    if remaining["tool_calls"] is not None:
+        headers["X-Run-Remaining-Tool-Calls"] = str(remaining["tool_calls"])
+    if remaining["ms"] is not None:
+        headers["X-Run-Remaining-Ms"] = str(int(remaining["ms"]))
+    if flow.final_step:
+        headers["X-Run-Final-Step"] = "true"
+    if flow.clamped_to is not None:
+        # Not in DESIGN's list: tells the agent why an answer may stop short ("length").
+        headers["X-Run-Clamped-Output-Tokens"] = str(flow.clamped_to)
+    return headers

@@ -1,0 +1,108 @@
+"""One request's journey through runcap, and the hooks that act on it.
+
+The forwarding core (`forward.py`) only moves bytes and calls the steps' hooks in order, like
+mitmproxy's addons: budget enforcement, metrics, logging and tracing are separate `FlowStep`s,
+each readable and testable on its own.
+
+Hook order for one request:
+  request(flow)   before forwarding; may raise a Rejection or rewrite `flow.body_json`
+  response(flow)  upstream answered, nothing sent to the agent yet; for a buffered (non-stream)
+                  response `flow.response_body` is set; steps may add `flow.reply_headers`
+  done(flow)      the exchange is over (all bytes relayed, or it failed); always called once
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from proxy.caps import RunRequest
+from proxy.config import UpstreamConfig
+from proxy.ledger.base import Reservation, RunState
+from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
+
+
+@dataclass(slots=True, eq=False)
+class Flow:
+    request: web.Request
+    upstream: UpstreamConfig
+    path: str  # upstream path, with the query string
+    adapter: Adapter | None  # None: an endpoint runcap does not understand (byte pass-through)
+    started: float = field(default_factory=time.perf_counter)
+    started_wall: float = field(default_factory=time.time)
+    body: bytes = b""  # as received from the agent
+    body_json: dict[str, Any] | None = None
+    body_changed: bool = False  # body_json was rewritten: re-serialise before forwarding
+    info: RequestInfo | None = None
+    run: RunRequest | None = None
+    reservation: Reservation | None = None
+    step: int = 0
+    state: RunState | None = None  # the run after the latest ledger operation
+    clamped_to: int | None = None  # the budget lowered the output limit to this
+    final_step: bool = False
+    injected_stream_usage: bool = False
+    status: int = 0  # as returned to the agent
+    upstream_status: int = 0
+    reply_headers: dict[str, str] = field(default_factory=dict)  # runcap's own response headers
+    response_body: bytes | None = None  # buffered responses only
+    response_info: ResponseInfo | None = None
+    streamed: bool = False
+    ttft_ms: float | None = None
+    usage: Usage | None = None  # as settled
+    cost_nanos: int = 0
+    price_known: bool = True
+    outcome: str = "ok"
+    error: str = ""
+    # Why the call was cut, when it was: "deadline" or "cancel" (set by whoever cut it).
+    cut_reason: str | None = None
+
+    @property
+    def flavor(self) -> str:
+        return self.upstream.flavor
+
+    @property
+    def endpoint(self) -> str:
+        return self.adapter.name if self.adapter else "passthrough"
+
+    @property
+    def duration_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000.0
+
+
+class FlowStep(Protocol):
+    async def request(self, flow: Flow) -> None: ...
+
+    async def response(self, flow: Flow) -> None: ...
+
+    async def done(self, flow: Flow) -> None: ...
+
+
+class Flights:
+    """In-flight upstream calls by run, so a cancel can abort them (this process only)."""
+
+    def __init__(self) -> None:
+        self._by_run: dict[str, dict[asyncio.Task[Any], Flow]] = {}
+
+    def add(self, run_id: str, task: asyncio.Task[Any], flow: Flow) -> None:
+        self._by_run.setdefault(run_id, {})[task] = flow
+
+    def remove(self, run_id: str, task: asyncio.Task[Any]) -> None:
+        tasks = self._by_run.get(run_id)
+        if tasks is not None:
+            tasks.pop(task, None)
+            if not tasks:
+                del self._by_run[run_id]
+
+    def cancel_run(self, run_id: str) -> int:
+        tasks = self._by_run.get(run_id, {})
+        for task, flow in list(tasks.items()):
+            flow.cut_reason = "cancel"
+            task.cancel("runcap: run cancelled")
+        return len(tasks)
+
+    def count(self) -> int:
+        return sum(len(t) for t in self._by_run.values())

@@ -1,0 +1,283 @@
+"""The forwarding core: agent request in → upstream → response out, calling the flow steps.
+
+It knows HTTP, not budgets: headers (hop-by-hop, credentials, `X-Run-*`), the upstream's
+deadline, streaming relay chunk by chunk, and turning a cut (deadline, cancel, client gone,
+upstream reset) into the right answer for the agent. Everything else is a `FlowStep`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.caps import parse_run_headers
+from proxy.config import Config, UpstreamConfig
+from proxy.errors import (
+    BudgetExceeded,
+    DeadlineExceeded,
+    InvalidRequest,
+    PayloadTooLarge,
+    Rejection,
+    RunCancelled,
+    UpstreamUnavailable,
+)
+from proxy.providers.base import BodyError
+from proxy.providers.registry import adapter_for
+from proxy.server.flow import Flights, Flow, FlowStep
+from proxy.server.metrics import Metrics
+
+log = logging.getLogger("runcap.forward")
+
+# RFC 9110 §7.6.1 connection-specific headers, plus the ones aiohttp computes itself.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    }
+)  # fmt: skip
+# The upstream may compress; aiohttp decompresses, so the agent gets identity bytes.
+_DROP_REQUEST = _HOP_BY_HOP | {"accept-encoding"}
+_DROP_RESPONSE = _HOP_BY_HOP | {"content-encoding"}
+_CREDENTIALS = ("authorization", "x-api-key", "api-key")
+
+_OUTCOME = {
+    BudgetExceeded: "budget_exceeded",
+    DeadlineExceeded: "deadline_exceeded",
+    RunCancelled: "cancelled",
+}
+
+
+class Forwarder:
+    def __init__(
+        self,
+        config: Config,
+        session: aiohttp.ClientSession,
+        steps: Sequence[FlowStep],
+        flights: Flights,
+        metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.session = session
+        self.steps = list(steps)
+        self.flights = flights
+        self.metrics = metrics
+
+    async def handle(self, request: web.Request, upstream: UpstreamConfig, path: str) -> web.StreamResponse:
+        adapter = adapter_for(upstream.flavor, path) if request.method == "POST" else None
+        qs = request.query_string
+        flow = Flow(request, upstream, f"{path}?{qs}" if qs else path, adapter)
+        try:
+            try:
+                await self._prepare(flow)
+            except Rejection as rej:
+                return self._reject(flow, rej)
+            task = asyncio.current_task()
+            assert task is not None and flow.run is not None
+            self.flights.add(flow.run.run_id, task, flow)
+            self.metrics.in_flight.inc()
+            try:
+                return await self._exchange(flow)
+            finally:
+                self.metrics.in_flight.dec()
+                self.flights.remove(flow.run.run_id, task)
+        finally:
+            for step in self.steps:
+                try:
+                    await step.done(flow)
+                except Exception:
+                    log.exception(
+                        "step %s failed after %s %s", type(step).__name__, request.method, request.path
+                    )
+
+    async def _prepare(self, flow: Flow) -> None:
+        request = flow.request
+        flow.run = parse_run_headers(
+            request.headers, self.config.caps, require_run_id=self.config.require_run_id
+        )
+        try:
+            flow.body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(
+                f"request body is larger than max_body_bytes = {self.config.max_body_bytes} bytes",
+                param="max_body_bytes",
+            ) from None
+        if flow.adapter is not None:
+            try:
+                body = orjson.loads(flow.body)
+            except orjson.JSONDecodeError as e:
+                raise InvalidRequest(f"request body is not valid JSON: {e}", param="body") from None
+            if not isinstance(body, dict):
+                raise InvalidRequest("request body must be a JSON object", param="body")
+            flow.body_json = body
+            try:
+                flow.info = flow.adapter.parse_request(body)
+            except BodyError as e:
+                raise InvalidRequest(str(e), param="body") from None
+        for step in self.steps:
+            await step.request(flow)
+
+    def _reject(self, flow: Flow, rej: Rejection) -> web.Response:
+        flow.status = rej.status
+        flow.outcome = next((o for cls, o in _OUTCOME.items() if isinstance(rej, cls)), "error")
+        flow.error = rej.message
+        self.metrics.rejections.labels(rej.code or rej.type).inc()
+        headers = {"X-Run-Id": flow.run.run_id} if flow.run else {}
+        return rej.response(flow.flavor, headers)
+
+    # -- the upstream exchange --------------------------------------------------------------
+
+    def _upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
+        out: CIMultiDict[str] = CIMultiDict()
+        key = flow.upstream.api_key
+        for name, value in flow.request.headers.items():
+            lower = name.lower()
+            if lower in _DROP_REQUEST or lower.startswith("x-run-") or (key and lower in _CREDENTIALS):
+                continue
+            out.add(name, value)
+        if key:
+            if flow.flavor == "anthropic":
+                out["x-api-key"] = key
+            else:
+                out["Authorization"] = f"Bearer {key}"
+        return out
+
+    async def _exchange(self, flow: Flow) -> web.StreamResponse:
+        deadline = flow.state.caps.deadline if flow.state is not None else None
+        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        body = orjson.dumps(flow.body_json) if flow.body_changed else flow.body
+        url = flow.upstream.url + flow.path
+        reply: web.StreamResponse | None = None
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                upstream = await self.session.request(
+                    flow.request.method,
+                    url,
+                    headers=self._upstream_headers(flow),
+                    data=body,
+                    allow_redirects=False,
+                )
+                flow.upstream_status = upstream.status
+                if flow.adapter is None or upstream.content_type == "text/event-stream":
+                    reply = await self._start_stream(flow, upstream)
+                    await self._relay(flow, upstream, reply)
+                    return reply
+                return await self._buffered(flow, upstream)
+        except TimeoutError:
+            flow.cut_reason = flow.cut_reason or "deadline"
+            return await self._cut(flow, reply, DeadlineExceeded(
+                f"run {flow.run.run_id if flow.run else ''} reached its deadline during the call to "
+                f"upstream '{flow.upstream.name}'; the call was aborted. End the run."
+            ))  # fmt: skip
+        except asyncio.CancelledError:
+            if flow.cut_reason != "cancel":
+                raise  # the server is shutting down
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return await self._cut(flow, reply, RunCancelled(
+                f"run {flow.run.run_id if flow.run else ''} was cancelled during the call to upstream "
+                f"'{flow.upstream.name}'; the call was aborted"
+            ))  # fmt: skip
+        except ConnectionResetError:
+            # The agent went away mid-stream: stop reading the upstream (closing it stops the
+            # generation we would otherwise pay for) and settle what was used.
+            flow.outcome = "cancelled"
+            flow.error = "client disconnected"
+            return reply if reply is not None else web.Response(status=499)
+        except (aiohttp.ClientError, OSError) as e:
+            return await self._cut(flow, reply, UpstreamUnavailable(
+                f"upstream '{flow.upstream.name}' ({flow.upstream.url}) failed: "
+                f"{type(e).__name__}: {e}".rstrip(": ")
+            ))  # fmt: skip
+        finally:
+            if upstream is not None:
+                if upstream.content.at_eof():
+                    upstream.release()
+                else:
+                    upstream.close()  # cut mid-body: drop the connection, the upstream sees it
+
+    async def _buffered(self, flow: Flow, upstream: aiohttp.ClientResponse) -> web.Response:
+        body = await upstream.read()
+        flow.response_body = body
+        flow.status = upstream.status
+        if upstream.status >= 400:
+            flow.outcome = "error"
+            flow.error = body[:500].decode("utf-8", "replace")
+        elif flow.adapter is not None:
+            try:
+                parsed = orjson.loads(body)
+                flow.response_info = flow.adapter.parse_response(parsed) if isinstance(parsed, dict) else None
+            except (orjson.JSONDecodeError, BodyError) as e:
+                log.warning("could not read %s response from %s: %s", flow.endpoint, flow.upstream.name, e)
+        for step in self.steps:
+            await step.response(flow)
+        return web.Response(status=upstream.status, body=body, headers=self._reply_headers(flow, upstream))
+
+    def _reply_headers(self, flow: Flow, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+        out: CIMultiDict[str] = CIMultiDict()
+        for name, value in upstream.headers.items():
+            if name.lower() not in _DROP_RESPONSE:
+                out.add(name, value)
+        out.update(flow.reply_headers)
+        return out
+
+    async def _start_stream(self, flow: Flow, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        flow.streamed = True
+        flow.status = upstream.status
+        if upstream.status >= 400:
+            flow.outcome = "error"
+        for step in self.steps:
+            await step.response(flow)
+        reply = web.StreamResponse(status=upstream.status, headers=self._reply_headers(flow, upstream))
+        await reply.prepare(flow.request)
+        return reply
+
+    async def _relay(self, flow: Flow, upstream: aiohttp.ClientResponse, reply: web.StreamResponse) -> None:
+        """Relay bytes as they arrive; the adapter's reader reads usage and tool calls on the way
+        (and drops the usage chunk runcap asked for when the agent did not)."""
+        reader = None
+        if flow.adapter is not None and upstream.status < 400:
+            strip = flow.injected_stream_usage and not (flow.info and flow.info.client_wants_stream_usage)
+            reader = flow.adapter.stream_reader(strip)
+        first = True
+        async for chunk in upstream.content.iter_any():
+            if first:
+                flow.ttft_ms = flow.duration_ms
+                first = False
+            out = reader.feed(chunk) if reader is not None else chunk
+            if out:
+                await reply.write(out)
+        if reader is not None:
+            tail = reader.close()
+            if tail:
+                await reply.write(tail)
+            flow.response_info = reader.info
+        await reply.write_eof()
+
+    async def _cut(self, flow: Flow, reply: web.StreamResponse | None, rej: Rejection) -> web.StreamResponse:
+        """The call was cut (deadline, cancel, upstream failure). Before the agent got headers it
+        gets the rejection; mid-stream it gets an error event in its format and the end."""
+        flow.outcome = next((o for cls, o in _OUTCOME.items() if isinstance(rej, cls)), "error")
+        flow.error = rej.message
+        self.metrics.rejections.labels(rej.code or rej.type).inc()
+        if reply is None or not reply.prepared:
+            flow.status = rej.status
+            headers = {"X-Run-Id": flow.run.run_id} if flow.run else {}
+            return rej.response(flow.flavor, headers)
+        try:
+            if flow.flavor == "anthropic":
+                await reply.write(b"event: error\ndata: " + rej.body("anthropic") + b"\n\n")
+            else:
+                await reply.write(b"data: " + rej.body("openai") + b"\n\n")
+            await reply.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass
+        return reply

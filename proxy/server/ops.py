@@ -1,0 +1,146 @@
+"""Operational routes: run state, cancel, health, readiness, metrics, and the admin guard."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from proxy.caps import RUN_ID_RE
+from proxy.errors import InvalidRequest, NotFound, Unauthorized
+from proxy.ledger.base import Ledger, RunState
+from proxy.money import format_usd
+from proxy.server.flow import Flights
+from proxy.server.metrics import Metrics
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def run_json(state: RunState, now: float) -> dict[str, Any]:
+    caps = state.caps
+    rem = state.remaining(now)
+    return {
+        "run_id": state.run_id,
+        "status": state.status,
+        "task": state.task,
+        "started_at": iso(state.started_at),
+        "updated_at": iso(state.updated_at),
+        "steps": state.steps,
+        "tool_calls": state.tool_calls,
+        "tool_calls_requested": state.tool_calls_requested,
+        "tool_calls_executed": state.tool_calls_executed,
+        "input_tokens": state.input_tokens,
+        "output_tokens": state.output_tokens,
+        "cost_usd": format_usd(state.spent_usd_nanos),
+        "reserved_usd": format_usd(state.reserved_usd_nanos),
+        "reserved_tokens": state.reserved_tokens,
+        "final_step_reason": state.final_reason,
+        "caps": {
+            "max_usd": None if caps.max_usd_nanos is None else format_usd(caps.max_usd_nanos),
+            "max_tokens": caps.max_tokens,
+            "max_steps": caps.max_steps,
+            "max_tool_calls": caps.max_tool_calls,
+            "deadline": iso(caps.deadline),
+        },
+        # Same keys as caps; the deadline's remainder is in milliseconds.
+        "remaining": {
+            "max_usd": None if rem["usd_nanos"] is None else format_usd(int(rem["usd_nanos"])),
+            "max_tokens": rem["tokens"],
+            "max_steps": rem["steps"],
+            "max_tool_calls": rem["tool_calls"],
+            "deadline": None if rem["ms"] is None else int(rem["ms"]),
+        },
+    }
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    import orjson
+
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+class AdminGuard:
+    """`Authorization: Bearer $RUNCAP_ADMIN_TOKEN`; with no token configured, loopback only."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def check(self, request: web.Request) -> None:
+        if self.token:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                raise Unauthorized("admin endpoint: send Authorization: Bearer $RUNCAP_ADMIN_TOKEN")
+            return
+        remote = request.remote or ""
+        try:
+            loopback = ipaddress.ip_address(remote.split("%")[0]).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise Unauthorized(
+                "admin endpoint: only loopback clients may call it while no admin token is set "
+                "(set RUNCAP_ADMIN_TOKEN)"
+            )
+
+
+class OpsRoutes:
+    def __init__(self, ledger: Ledger, metrics: Metrics, flights: Flights, guard: AdminGuard) -> None:
+        self.ledger = ledger
+        self.metrics = metrics
+        self.flights = flights
+        self.guard = guard
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/runs/{run_id}", self.get_run)
+        app.router.add_post("/runs/{run_id}/cancel", self.cancel_run)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        try:
+            self.ledger.ping()
+        except Exception as e:
+            return _json({"status": "unavailable", "ledger": self.ledger.name, "error": str(e)}, 503)
+        return _json({"status": "ready", "ledger": self.ledger.name})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    def _run_id(self, request: web.Request) -> str:
+        run_id = request.match_info["run_id"]
+        if not RUN_ID_RE.match(run_id):
+            raise InvalidRequest(f"run id {run_id[:140]!r} is not valid (1-128 of A-Z a-z 0-9 . _ : -)")
+        return run_id
+
+    async def get_run(self, request: web.Request) -> web.StreamResponse:
+        try:
+            run_id = self._run_id(request)
+            state = self.ledger.get_run(run_id)
+            if state is None:
+                raise NotFound(f"no run {run_id!r} in the ledger")
+        except (InvalidRequest, NotFound) as rej:
+            return rej.response("openai")
+        return _json(run_json(state, time.time()))
+
+    async def cancel_run(self, request: web.Request) -> web.StreamResponse:
+        try:
+            self.guard.check(request)
+            run_id = self._run_id(request)
+        except (InvalidRequest, Unauthorized) as rej:
+            return rej.response("openai")
+        state = self.ledger.cancel(run_id, time.time())
+        aborted = self.flights.cancel_run(run_id)
+        assert state is not None
+        return _json({**run_json(state, time.time()), "aborted_in_flight": aborted})

@@ -1,0 +1,149 @@
+"""Shared fixtures: the scripted upstream and runcap itself, built in-process on free ports.
+
+`runcap_factory(**config)` starts a runcap app whose `openai`, `anthropic` and `local`
+upstreams all point at the scripted upstream, with its data under the test's tmp_path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.config import build_config
+from proxy.ledger.base import Ledger
+from proxy.scripted_upstream import ScriptedUpstream
+from proxy.server.app import RUNTIME, Runtime, build_app
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[ScriptedUpstream]:
+    up = ScriptedUpstream()
+    await up.start()
+    yield up
+    await up.stop()
+
+
+@dataclass
+class Runcap:
+    url: str
+    runtime: Runtime
+    runner: web.AppRunner
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.runtime.ledger
+
+    @property
+    def openai_url(self) -> str:
+        return f"{self.url}/v1"
+
+    async def run(self, run_id: str) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(f"{self.url}/runs/{run_id}") as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+
+def runcap_config(upstream_url: str, data_dir: Path, extra: dict[str, Any] | None = None, env=None):  # type: ignore[no-untyped-def]
+    raw: dict[str, Any] = {
+        "upstreams": {
+            "openai": {"url": upstream_url},
+            "anthropic": {"url": upstream_url},
+            "local": {"url": upstream_url},
+        },
+        "log_requests": False,
+    }
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return build_config(raw, env or {}, listen="127.0.0.1:0", data_dir=str(data_dir))
+
+
+@pytest.fixture
+async def runcap_factory(upstream: ScriptedUpstream, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    started: list[web.AppRunner] = []
+
+    async def start(extra: dict[str, Any] | None = None, *, data_dir: Path | None = None, env=None) -> Runcap:  # type: ignore[no-untyped-def]
+        assert upstream.url is not None
+        config = runcap_config(upstream.url, data_dir or tmp_path / "data", extra, env)
+        app = build_app(config)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        started.append(runner)
+        port = runner.addresses[0][1]
+        return Runcap(f"http://127.0.0.1:{port}", app[RUNTIME], runner)
+
+    yield start
+    for runner in reversed(started):
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def runcap(runcap_factory: Callable[..., Any]) -> Runcap:
+    return await runcap_factory()
+
+
+# -- a runcap in its own process (kill -9 tests) ----------------------------------------------
+
+
+class RuncapProcess:
+    def __init__(self, config_path: Path, data_dir: Path) -> None:
+        self.config_path = config_path
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(self.config_path),
+             "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir)],
+            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.DEVNULL, stderr=open(self.data_dir.parent / "runcap.log", "ab"),
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"runcap exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("runcap did not start in 30 s")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

@@ -1,0 +1,239 @@
+"""Run caps enforced in the host: hard ceilings under concurrency, each cap with its own code,
+the answer-only final step, and the deadline as the upstream timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from decimal import Decimal
+
+import openai
+import pytest
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+USER = [{"role": "user", "content": "write"}]
+
+
+def err(e: openai.APIStatusError) -> dict:  # type: ignore[type-arg]
+    """The error object (the SDK unwraps OpenAI's {"error": {...}} into .body)."""
+    return e.body.get("error", e.body) if isinstance(e.body, dict) else {}
+
+
+def client(runcap, retries: int = 2) -> openai.AsyncOpenAI:  # type: ignore[no-untyped-def]
+    return openai.AsyncOpenAI(base_url=runcap.openai_url, api_key="k", max_retries=retries)
+
+
+async def test_hard_dollar_ceiling_under_concurrency(runcap, upstream):  # type: ignore[no-untyped-def]
+    # Each call wants up to 1,000 output tokens of gpt-4o ($10/M): $0.01 worst case; the upstream
+    # writes 400 tokens ($0.004) after a delay, so all 16 are in flight at once.
+    upstream.scripts["essay"] = [{"text_tokens": 400, "delay_s": 0.3}]
+    c = client(runcap, retries=5)  # the SDK would retry a 402 if runcap let it
+    h = {"X-Run-Id": "conc", "X-Run-Max-Usd": "0.03", "X-Mock-Script": "essay"}
+
+    async def one():  # type: ignore[no-untyped-def]
+        try:
+            return await c.chat.completions.with_raw_response.create(
+                model="gpt-4o", messages=USER, max_tokens=1000, extra_headers=h
+            )
+        except openai.APIStatusError as e:
+            return e
+
+    results = await asyncio.gather(*(one() for _ in range(16)))
+    refused = [r for r in results if isinstance(r, openai.APIStatusError)]
+    allowed = [r for r in results if not isinstance(r, openai.APIStatusError)]
+    assert refused and allowed
+    for e in refused:
+        assert e.status_code == 402
+        assert e.response.headers["x-should-retry"] == "false"
+        assert err(e)["type"] == "run_budget_exceeded" and err(e)["code"] == "max_usd"
+    # No retries: the upstream saw exactly the calls runcap allowed.
+    assert upstream.hits("/v1/chat/completions") == len(allowed)
+    run = await runcap.run("conc")
+    assert Decimal(run["cost_usd"]) <= Decimal("0.03")
+    assert run["reserved_usd"] == "0.000000000"
+    # Every allowed call reserved its worst case at once, so the limits it was sent never add up
+    # to more than the cap could pay for.
+    limits = [r.body["max_tokens"] for r in upstream.requests]
+    assert sum(limits) * Decimal("0.00001") <= Decimal("0.03")
+
+    # Sequential calls until refused: the ceiling is reached by clamping, not by refusing early.
+    upstream.scripts["essay"] = [{"text_tokens": 400}]
+    upstream.clear()
+    seq = 0
+    while True:
+        try:
+            raw = await c.chat.completions.with_raw_response.create(
+                model="gpt-4o", messages=USER, max_tokens=1000, extra_headers=h
+            )
+            seq += 1
+            assert seq < 50
+        except openai.APIStatusError as e:
+            assert e.status_code == 402 and err(e)["code"] == "max_usd"
+            assert "X-Run-Max-Usd" in err(e)["message"]
+            break
+    assert any(r.body["max_tokens"] < 1000 for r in upstream.requests)  # the last ones were clamped
+    assert raw.headers.get("x-run-clamped-output-tokens") is not None or seq == 0
+    run = await runcap.run("conc")
+    spent = Decimal(run["cost_usd"])
+    # Close to the cap: refused only when even the input plus a useful output (16 tokens) no longer fits.
+    assert Decimal("0.03") - spent < Decimal("0.0005"), spent
+    assert spent <= Decimal("0.03")
+    assert run["status"] == "budget_exceeded"
+
+
+async def test_token_cap(runcap, upstream):  # type: ignore[no-untyped-def]
+    upstream.scripts["essay"] = [{"text_tokens": 300}]
+    c = client(runcap)
+    h = {"X-Run-Id": "tok", "X-Run-Max-Tokens": "1000", "X-Mock-Script": "essay"}
+    with pytest.raises(openai.APIStatusError) as e:
+        for _ in range(10):
+            await c.chat.completions.create(
+                model="gpt-4o-mini", messages=USER, max_tokens=500, extra_headers=h
+            )
+    assert e.value.status_code == 402 and err(e.value)["code"] == "max_tokens"
+    run = await runcap.run("tok")
+    assert run["input_tokens"] + run["output_tokens"] <= 1000
+    assert run["status"] == "budget_exceeded"
+
+
+async def test_step_cap_answer_only_final_step(runcap, upstream):  # type: ignore[no-untyped-def]
+    upstream.scripts["loop"] = [{"tool_calls": [{"name": "lookup", "arguments": {"q": "x"}}]}]
+    c = client(runcap)
+    h = {"X-Run-Id": "steps", "X-Run-Max-Steps": "3", "X-Mock-Script": "loop"}
+    msgs = list(USER)
+    finals = []
+    for _ in range(3):
+        raw = await c.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=msgs, tools=TOOLS, tool_choice="auto", extra_headers=h
+        )
+        finals.append(raw.headers.get("x-run-final-step"))
+        msg = raw.parse().choices[0].message
+        msgs.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls or []:
+            msgs.append({"role": "tool", "tool_call_id": call.id, "content": "found"})
+    assert finals == [None, None, "true"]
+    last = upstream.last.body
+    assert "tools" not in last and "tool_choice" not in last  # answer-only: tools stripped
+    assert msg.tool_calls is None and msg.content  # so the model answered
+    assert raw.headers["x-run-remaining-steps"] == "0"
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=TOOLS, extra_headers=h)
+    assert e.value.status_code == 402 and err(e.value)["code"] == "max_steps"
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert (await runcap.run("steps"))["status"] == "steps_exceeded"
+
+
+async def test_tool_call_cap(runcap, upstream):  # type: ignore[no-untyped-def]
+    upstream.scripts["loop"] = [{"tool_calls": [{"name": "lookup", "arguments": {"q": "x"}}] * 2}]
+    c = client(runcap)
+    h = {"X-Run-Id": "tools", "X-Run-Max-Tool-Calls": "2", "X-Mock-Script": "loop"}
+    raw = await c.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=USER, tools=TOOLS, extra_headers=h
+    )
+    assert raw.headers.get("x-run-final-step") is None
+    assert len(raw.parse().choices[0].message.tool_calls) == 2
+    # The cap is used up: the next call may only answer.
+    raw = await c.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=USER, tools=TOOLS, extra_headers=h
+    )
+    assert raw.headers["x-run-final-step"] == "true" and "tools" not in upstream.last.body
+    assert raw.headers["x-run-remaining-tool-calls"] == "0"
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.chat.completions.create(model="gpt-4o-mini", messages=USER, tools=TOOLS, extra_headers=h)
+    assert e.value.status_code == 402 and err(e.value)["code"] == "max_tool_calls"
+    assert (await runcap.run("tools"))["status"] == "tool_calls_exceeded"
+
+
+async def test_deadline_cuts_a_stalled_upstream(runcap, upstream):  # type: ignore[no-untyped-def]
+    upstream.scripts["stall"] = [{"text": "late", "delay_s": 30}]
+    c = client(runcap, retries=3)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.chat.completions.create(
+            model="gpt-4o-mini", messages=USER,
+            extra_headers={"X-Run-Id": "dl", "X-Run-Timeout": "0.5", "X-Mock-Script": "stall"},
+        )  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert e.value.status_code == 504 and err(e.value)["type"] == "run_deadline_exceeded"
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert 0.45 <= elapsed < 5  # cut at the deadline, not at the upstream's 30 s (loose: shared machine)
+    assert upstream.hits() == 1  # not retried
+    for _ in range(50):  # the upstream saw the disconnect
+        if upstream.last.disconnected:
+            break
+        await asyncio.sleep(0.05)
+    assert upstream.last.disconnected
+    run = await runcap.run("dl")
+    assert run["status"] == "deadline_exceeded" and run["reserved_usd"] == "0.000000000"
+    # Later calls are refused before reaching the upstream.
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.chat.completions.create(model="gpt-4o-mini", messages=USER, extra_headers={"X-Run-Id": "dl"})
+    assert e.value.status_code == 504 and upstream.hits() == 1
+
+
+async def test_deadline_mid_stream_ends_stream_with_error_event(runcap, upstream):  # type: ignore[no-untyped-def]
+    upstream.scripts["stall"] = [{"text": "a long answer that stalls half way", "stall_s": 30}]
+    c = client(runcap)
+    stream = await c.chat.completions.create(
+        model="gpt-4o-mini", messages=USER, stream=True,
+        extra_headers={"X-Run-Id": "dls", "X-Run-Timeout": "0.5", "X-Mock-Script": "stall"},
+    )  # fmt: skip
+    with pytest.raises(openai.APIError) as e:
+        async for _chunk in stream:
+            pass
+    assert "deadline" in str(e.value.message)
+    run = await runcap.run("dls")
+    assert run["status"] == "deadline_exceeded"
+    assert run["output_tokens"] > 0  # cut before usage: settled at what was reserved
+
+
+async def test_caps_only_lower_and_ceilings_clamp(runcap_factory, upstream):  # type: ignore[no-untyped-def]
+    rc = await runcap_factory({"caps": {"ceiling_max_usd": 1.0, "default_max_steps": 7}})
+    c = client(rc)
+    base = {"X-Run-Id": "lower"}
+    await c.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=USER,
+        extra_headers={**base, "X-Run-Max-Usd": "5", "X-Run-Max-Tokens": "9000"},
+    )
+    run = await rc.run("lower")
+    assert run["caps"]["max_usd"] == "1.000000000"  # ceiling
+    assert run["caps"]["max_steps"] == 7  # default
+    await c.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=USER,
+        extra_headers={**base, "X-Run-Max-Usd": "9", "X-Run-Max-Tokens": "8000"},
+    )
+    run = await rc.run("lower")
+    assert (
+        run["caps"]["max_usd"] == "1.000000000" and run["caps"]["max_tokens"] == 8000
+    )  # lowered, never raised
+
+
+async def test_unpriced_model_with_dollar_cap(runcap_factory, upstream):  # type: ignore[no-untyped-def]
+    rc = await runcap_factory({"prices": {"my-finetune": {"input_mtok": 1.0, "output_mtok": 2.0}}})
+    c = client(rc)
+    with pytest.raises(openai.BadRequestError) as e:
+        await c.chat.completions.create(
+            model="totally-unknown-model",
+            messages=USER,
+            extra_headers={"X-Run-Id": "u1", "X-Run-Max-Usd": "1"},
+        )
+    assert err(e.value)["code"] == "unpriced_model" and "[prices." in err(e.value)["message"]
+    assert upstream.hits() == 0
+    # Without a dollar cap it goes through, and is never silently $0: the price is unknown.
+    await c.chat.completions.create(
+        model="totally-unknown-model", messages=USER, extra_headers={"X-Run-Id": "u2"}
+    )
+    # An operator price makes it enforceable.
+    r = await c.chat.completions.create(
+        model="my-finetune", messages=USER, extra_headers={"X-Run-Id": "u3", "X-Run-Max-Usd": "1"}
+    )
+    run = await rc.run("u3")
+    expected = (Decimal(r.usage.prompt_tokens) * 1 + Decimal(r.usage.completion_tokens) * 2) / 10**6
+    assert Decimal(run["cost_usd"]) == expected
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(f"{rc.url}/metrics") as m:
+        text = await m.text()
+    assert 'runcap_unpriced_calls_total{model="totally-unknown-model"} 1.0' in text
