@@ -8,6 +8,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from typing import Any
 
 from proxy.config import ConfigError, load_config
 
@@ -52,7 +53,63 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", help="cancel a run: refuse its next calls and abort those in flight")
     _add_client_args(p)
     p.add_argument("run_id")
+
+    p = sub.add_parser(
+        "reconcile",
+        help="list side-effecting tool calls whose outcome is unknown; resolve one as done or not done",
+        description="Without KEY: list idempotency records (default: the unknown ones). With KEY: "
+        "resolve it — --done records the outcome to replay (--status, --body/--body-file), --not-done "
+        "deletes the record so the next attempt executes. Talks to a running runcap (--url), or, "
+        "with --data-dir, opens the ledger directly (no server needed).",
+    )
+    _add_client_args(p)
+    p.add_argument("key", nargs="?", help="the idempotency key to resolve")
+    p.add_argument("--run", dest="run_id", help="the key's run (needed when a key exists in several runs)")
+    verdict = p.add_mutually_exclusive_group()
+    verdict.add_argument("--done", action="store_true", help="the call took effect: replay --status/--body")
+    verdict.add_argument("--not-done", action="store_true", help="it did not: the next attempt executes")
+    p.add_argument("--status", type=int, default=200, help="HTTP status to replay (default 200)")
+    p.add_argument("--body", help="response body to replay")
+    p.add_argument("--body-file", help="file holding the response body to replay")
+    p.add_argument("--content-type", help="content type of the body (default: JSON when it looks like JSON)")
+    p.add_argument(
+        "--state", default="unknown", choices=["unknown", "in_flight", "completed", "all"],
+        help="records to list (default unknown)",
+    )  # fmt: skip
+    _add_read_commands(sub)
     return parser
+
+
+def _add_read_commands(sub: Any) -> None:
+    """The read commands (proxy/readcli.py): SQL on the span store, and stored payloads."""
+    p = sub.add_parser(
+        "query", help="run an on-call query from queries/NAME.sql (no NAME: list them)",
+        description="Runs queries/NAME.sql (or a path to a .sql file) on the span store. Parameters "
+        "not given with --param take the defaults declared in the file's header.",
+    )  # fmt: skip
+    _add_client_args(p)
+    p.add_argument("name", nargs="?", help="query name, e.g. duplicate_side_effects")
+    p.add_argument("--param", action="append", metavar="NAME=VALUE", help="a query parameter (repeatable)")
+
+    p = sub.add_parser("sql", help="run read-only SQL on the span store (runcap.spans, runcap.runs)")
+    _add_client_args(p)
+    p.add_argument("sql", help='e.g. "SELECT kind, count() FROM runcap.spans GROUP BY kind"')
+    p.add_argument("--param", action="append", metavar="NAME=VALUE", help="a {NAME:Type} parameter")
+
+    p = sub.add_parser("runs", help="recent runs: status, steps, cost, the cap that stopped them")
+    _add_client_args(p)
+    p.add_argument("--since", help="runs updated since (ClickHouse DateTime, UTC; default: 24 hours ago)")
+    p.add_argument("--task", help="only this task")
+    p.add_argument("--status", help="only this status (completed, budget_exceeded, ...)")
+    p.add_argument("--limit", type=int, help="rows (default 50)")
+
+    p = sub.add_parser("run", help="a run's timeline: one line per span (model calls, tool calls, results)")
+    _add_client_args(p)
+    p.add_argument("run_id")
+
+    p = sub.add_parser("payload", help="print a stored request/response body by its sha256")
+    _add_client_args(p)
+    p.add_argument("hash", help="the sha256 (request_hash / response_hash); a unique prefix on local storage")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +141,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         host, port = parse_listen(args.listen, "--listen")
         run(host, port, args.script)
         return 0
+    if args.command == "reconcile":
+        from proxy.reconcile_cli import reconcile
+
+        config = load_config(args.config, data_dir=args.data_dir)
+        return reconcile(args, config)
+    if args.command in ("query", "sql", "runs", "run", "payload"):
+        from proxy.readcli import run_read_command
+
+        config = load_config(args.config, data_dir=args.data_dir)
+        return run_read_command(args, config)
     if args.command in ("status", "cancel"):
         config = load_config(args.config, data_dir=args.data_dir)
         base = (args.url or f"http://{config.listen}").rstrip("/")

@@ -94,6 +94,10 @@ class Config:
     payloads: str = "all"
     payload_max_bytes: int = 8 * 1024 * 1024
     log_requests: bool = True
+    # Record spans (ClickHouse, OTLP) and payloads. Off: caps are still enforced, nothing is traced.
+    tracing: bool = True
+    # Idempotency records and idle runs are kept this long (Redis TTL / SQLite sweep).
+    ledger_retention_s: float = 7 * 24 * 3600.0
 
     @property
     def listen(self) -> str:
@@ -111,7 +115,8 @@ DEFAULT_UPSTREAMS = {
 _TOP_KEYS = {
     "listen", "data_dir", "require_run_id", "admin_token", "max_body_bytes", "workers",
     "upstreams", "tools", "caps", "prices", "models", "clickhouse_url", "s3_url", "redis_url",
-    "otlp_endpoint", "payloads", "payload_max_bytes", "log_requests",
+    "otlp_endpoint", "payloads", "payload_max_bytes", "log_requests", "tracing",
+    "ledger_retention_s",
 }  # fmt: skip
 
 
@@ -190,9 +195,22 @@ def build_config(
     if redis_url:
         _check_url(redis_url, "RUNCAP_REDIS_URL", ("redis", "rediss", "unix"))
 
+    retention = _number(raw, "", "ledger_retention_s", positive=True)
+    if retention is not None and retention < 1:
+        raise ConfigError(
+            f"ledger_retention_s: expected a number of seconds ≥ 1, got {raw['ledger_retention_s']!r}"
+        )
+
     n_workers = workers if workers is not None else raw.get("workers", 1)
     if not isinstance(n_workers, int) or isinstance(n_workers, bool) or n_workers < 1:
         raise ConfigError(f"workers: expected a whole number ≥ 1, got {n_workers!r}")
+    tracing = _bool(raw, "", "tracing", True)
+    if n_workers > 1 and tracing and not clickhouse_url:
+        raise ConfigError(
+            f"workers: {n_workers} processes cannot share the embedded span store (chdb opens a data "
+            "directory in one process only); set RUNCAP_CLICKHOUSE_URL to a ClickHouse server, "
+            "or run one worker"
+        )
 
     return Config(
         listen_host=host,
@@ -214,6 +232,8 @@ def build_config(
         payloads=payloads,
         payload_max_bytes=_int(raw, "", "payload_max_bytes", minimum=0, default=8 * 1024 * 1024),
         log_requests=_bool(raw, "", "log_requests", True),
+        tracing=tracing,
+        ledger_retention_s=float(retention) if retention is not None else 7 * 24 * 3600.0,
     )
 
 

@@ -91,6 +91,16 @@ class RunCancelled(Rejection):
         super().__init__(message, code="cancelled")
 
 
+class ToolTimeout(Rejection):
+    """A `/tools` call hit the tool's own `timeout_s` (not the run's deadline): the run goes on."""
+
+    status = 504
+    type = "tool_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="tool_timeout")
+
+
 class OutcomeUnknown(Rejection):
     status = 409
     type = "idempotency_outcome_unknown"

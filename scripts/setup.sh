@@ -11,6 +11,15 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 
+# The Redis ledger's tests run a real redis-server (Debian's package).
+if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "redis-server is missing: install it (apt-get install redis-server) to run the Redis tests" >&2
+    fi
+fi
+
 extras=${RUNCAP_EXTRAS:-embedded,redis,fast,demo,test}
 stamp=.venv/.runcap-installed
 want="$(sha256sum pyproject.toml | cut -c1-16) $extras"

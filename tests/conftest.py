@@ -26,6 +26,8 @@ from proxy.scripted_upstream import ScriptedUpstream
 from proxy.server.app import RUNTIME, Runtime, build_app
 
 REPO = Path(__file__).resolve().parent.parent
+# Span pipeline settings for tests: flush and retry quickly.
+FAST_SPANS = {"flush_interval_s": 0.05, "retry_initial_s": 0.05, "retry_max_s": 0.5}
 
 
 def free_port() -> int:
@@ -70,6 +72,9 @@ def runcap_config(upstream_url: str, data_dir: Path, extra: dict[str, Any] | Non
             "local": {"url": upstream_url},
         },
         "log_requests": False,
+        # Most tests are about the proxy; the span tests turn tracing on (embedded chdb allows one
+        # data directory per process at a time, so two traced apps cannot share a test process).
+        "tracing": False,
     }
     for key, value in (extra or {}).items():
         if isinstance(value, dict) and isinstance(raw.get(key), dict):
@@ -86,7 +91,7 @@ async def runcap_factory(upstream: ScriptedUpstream, tmp_path: Path) -> AsyncIte
     async def start(extra: dict[str, Any] | None = None, *, data_dir: Path | None = None, env=None) -> Runcap:  # type: ignore[no-untyped-def]
         assert upstream.url is not None
         config = runcap_config(upstream.url, data_dir or tmp_path / "data", extra, env)
-        app = build_app(config)
+        app = build_app(config, span_options=FAST_SPANS)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -126,7 +131,8 @@ class RuncapProcess:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"runcap exited with {self.proc.returncode}")
+                log = (self.data_dir.parent / "runcap.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"runcap exited with {self.proc.returncode}:\n{log}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return
@@ -147,3 +153,16 @@ class RuncapProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+# -- redis-server (tests/support/redis_server.py) ----------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server():  # type: ignore[no-untyped-def]
+    """One real redis-server for the session; tests isolate themselves by key prefix."""
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer().start()
+    yield server
+    server.stop()

@@ -237,3 +237,68 @@ async def test_unpriced_model_with_dollar_cap(runcap_factory, upstream):  # type
     async with aiohttp.ClientSession() as s, s.get(f"{rc.url}/metrics") as m:
         text = await m.text()
     assert 'runcap_unpriced_calls_total{model="totally-unknown-model"} 1.0' in text
+
+
+async def test_long_conversation_ends_close_to_its_cap(runcap, upstream):  # type: ignore[no-untyped-def]
+    """Long answers resent as history: the byte bound alone would refuse with ~1/3 of the budget
+    left; the run's own usage tightens it, so the run ends within a useful output of its cap."""
+    upstream.scripts["essay"] = [{"text_tokens": 900}]
+    c = client(runcap)
+    h = {"X-Run-Id": "long", "X-Run-Max-Usd": "0.03", "X-Mock-Script": "essay"}
+    msgs: list[dict] = [{"role": "user", "content": "write"}]  # type: ignore[type-arg]
+    with pytest.raises(openai.APIStatusError) as e:
+        for _ in range(10):
+            r = await c.chat.completions.create(
+                model="gpt-4o", messages=msgs, max_tokens=1000, extra_headers=h
+            )
+            msgs += [
+                r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "Go on."},
+            ]
+    assert err(e.value)["code"] == "max_usd"
+    spent = Decimal((await runcap.run("long"))["cost_usd"])
+    assert Decimal("0.0295") <= spent <= Decimal("0.03"), spent
+
+
+def test_conversation_memory_bounds():  # type: ignore[no-untyped-def]
+    from proxy.providers.base import Usage
+    from proxy.providers.openai_chat import ChatCompletionsAdapter
+    from proxy.server.history import ANSWER_MARGIN, ConversationMemory
+
+    a = ChatCompletionsAdapter()
+    memory = ConversationMemory()
+    answer = "x" * 4000
+    first = {"model": "gpt-4o", "messages": [{"role": "user", "content": "write"}]}
+    info1 = a.parse_request(first)
+    resp = a.parse_response(
+        {"model": "gpt-4o", "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
+    )
+    memory.remember("r", info1, Usage(10, 1000), resp)
+    nxt = {
+        "model": "gpt-4o",
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "more"},
+        ],
+    }
+    info2 = a.parse_request(nxt)
+    new_user = a.history_item(nxt["messages"][2])[0]
+    assert memory.bound("r", a, info2) == 10 + 1000 + ANSWER_MARGIN + new_user
+    assert info2.input_token_bound > 4000  # the byte bound it replaces
+    # Anything that does not match falls back to the byte bound.
+    edited = {**nxt, "messages": [{"role": "user", "content": "wrote"}, *nxt["messages"][1:]]}
+    assert memory.bound("r", a, a.parse_request(edited)) == a.parse_request(edited).input_token_bound
+    changed_answer = {
+        **nxt,
+        "messages": [nxt["messages"][0], {"role": "assistant", "content": answer + "!"}, nxt["messages"][2]],
+    }
+    info3 = a.parse_request(changed_answer)
+    assert memory.bound("r", a, info3) == 10 + sum(
+        a.history_item(m)[0] for m in changed_answer["messages"][1:]
+    )
+    other_model = {**nxt, "model": "gpt-4o-mini"}
+    assert (
+        memory.bound("r", a, a.parse_request(other_model)) == a.parse_request(other_model).input_token_bound
+    )
+    assert memory.bound("unknown-run", a, info2) == info2.input_token_bound

@@ -11,19 +11,37 @@ Rules (DESIGN.md "Enforcement rules"):
   refused only when even the input plus a useful output cannot fit; otherwise its output limit is
   clamped to what fits, so concurrent calls cannot jointly overshoot;
 * the next-to-last allowed call is answer-only (tools stripped); a call past it is refused;
-* settlement replaces the reservation by the actual usage.
+* settlement replaces the reservation by the actual usage;
+* a `/tools` call is counted (and refused past the tool-call cap) atomically with its idempotency
+  record: a new side-effecting call is recorded `in_flight` before it is forwarded; a completed one
+  is replayed; one in flight is waited for while its owner lives and is `unknown` (409 until
+  reconciled) once it is dead or the call was cut (`decide_tool_call`).
 """
 
 from __future__ import annotations
 
 import abc
+import itertools
+import os
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
 from proxy.caps import RunCaps
-from proxy.errors import BudgetExceeded, DeadlineExceeded, InvalidRequest, Rejection, RunCancelled
+from proxy.errors import (
+    BudgetExceeded,
+    DeadlineExceeded,
+    InvalidRequest,
+    OutcomeUnknown,
+    Rejection,
+    RunCancelled,
+)
 from proxy.money import format_usd, tokens_affordable, tokens_cost_nanos
+
+# Reservation ids: unique across processes sharing a ledger, without a syscall per call.
+_RESERVATION_PREFIX = secrets.token_hex(6)
+_RESERVATION_SEQ = itertools.count(1)
 
 TERMINAL_STATUSES = frozenset(
     {"budget_exceeded", "deadline_exceeded", "steps_exceeded", "tool_calls_exceeded", "cancelled"}
@@ -135,45 +153,99 @@ class RecoveredReservation:
 
 
 class Ledger(abc.ABC):
-    """One backend of the run ledger. Methods are synchronous and fast (sub-millisecond)."""
+    """One backend of the run ledger. Every call is awaited on the request path, so each must be
+    fast (sub-millisecond on loopback Redis or a local SQLite file)."""
 
     name: str
 
     @abc.abstractmethod
-    def begin_step(self, req: StepRequest) -> Reservation:
+    async def begin_step(self, req: StepRequest) -> Reservation:
         """Open or update the run, check every cap and reserve the call's worst case, atomically.
         Raises a `Rejection` (the run's status updated accordingly) when the call may not go."""
 
     @abc.abstractmethod
-    def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+    async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
         """Replace the reservation by what the call actually used."""
 
     @abc.abstractmethod
-    def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
         """Open or update the run for a call that reserves nothing (pass-through, tools) and
         check its deadline and cancel flag. Raises a `Rejection`."""
 
     @abc.abstractmethod
-    def get_run(self, run_id: str) -> RunState | None: ...
+    async def get_run(self, run_id: str) -> RunState | None: ...
 
     @abc.abstractmethod
-    def cancel(self, run_id: str, now: float) -> RunState | None:
+    async def cancel(self, run_id: str, now: float) -> RunState | None:
         """Mark the run cancelled (creating it if unknown, so a cancel that races the first
         request still wins). Returns the state."""
 
     @abc.abstractmethod
-    def set_status(self, run_id: str, status: str, now: float) -> None:
+    async def set_status(self, run_id: str, status: str, now: float) -> None:
         """Record a terminal status seen outside a step (e.g. a deadline hit mid-call)."""
 
     @abc.abstractmethod
-    def recover(self) -> list[RecoveredReservation]:
+    async def recover(self) -> list[RecoveredReservation]:
         """Settle, at their reserved amount, the reservations of processes that died."""
 
-    def ping(self) -> None:  # noqa: B027 - optional for backends that cannot fail
+    async def ping(self) -> None:  # noqa: B027 - optional for backends that cannot fail
         """Raise when the backend is unreachable (readiness)."""
 
+    def cancel_events(self) -> AsyncIterator[str] | None:
+        """Run ids cancelled through other instances of this ledger, pushed as they happen
+        (Redis pub/sub). None: the backend cannot push; the caller polls `get_run` instead."""
+        return None
+
     @abc.abstractmethod
-    def close(self) -> None: ...
+    async def close(self) -> None: ...
+
+    # -- tool calls and their idempotency records (DESIGN.md "Idempotent tool calls") ----------
+
+    @abc.abstractmethod
+    async def begin_tool_call(self, req: ToolCallRequest) -> ToolCallStart:
+        """Open or update the run, check it is live, and — atomically with counting the call —
+        look up the call's idempotency record: replay a completed one, wait for one in flight,
+        refuse an unknown one (`OutcomeUnknown`), or record the new call's intent (`in_flight`,
+        owned by this process) and count it against the tool-call cap (`BudgetExceeded`)."""
+
+    @abc.abstractmethod
+    async def complete_tool_call(
+        self, run_id: str, key: str, status: int, headers: dict[str, str], body: bytes, now: float
+    ) -> None:
+        """Record the outcome of an executed call (also over an `unknown` left by a cut that
+        raced the answer: the answer is the truth)."""
+
+    @abc.abstractmethod
+    async def mark_unknown(self, run_id: str, key: str, now: float, reason: str = "") -> None:
+        """The call was cut after it may have reached the tool (cancel, timeout, reset)."""
+
+    @abc.abstractmethod
+    async def get_tool_call(self, run_id: str, key: str) -> IdempotencyRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_tool_calls(
+        self, state: str | None = None, run_id: str | None = None, limit: int = 1000
+    ) -> list[IdempotencyRecord]:
+        """Idempotency records, oldest first (for `runcap reconcile`)."""
+
+    @abc.abstractmethod
+    async def resolve_tool_call(
+        self,
+        run_id: str,
+        key: str,
+        *,
+        done: bool,
+        now: float,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        body: bytes = b"",
+        force: bool = False,
+    ) -> IdempotencyRecord | None:
+        """An operator's (or the tool path's) verdict on a call: `done` records the outcome to
+        replay; not done deletes the record so the next attempt executes. Only an `unknown`
+        record may be resolved unless `force` (the tool path releasing its own `in_flight` record
+        when the tool was never reached). Returns the record as it was; None when there is none.
+        Raises `RecordNotUnknown` when the record is not `unknown`."""
 
 
 def new_run(run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
@@ -309,7 +381,7 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
     if state.status not in TERMINAL_STATUSES:
         state.status = "active"
     return Reservation(
-        id=secrets.token_hex(8),
+        id=f"{_RESERVATION_PREFIX}{os.getpid()}-{next(_RESERVATION_SEQ)}",  # pid: safe across fork
         run_id=state.run_id,
         step=state.steps,
         usd_nanos=usd,
@@ -352,3 +424,108 @@ def apply_recovery(
     state.input_tokens += input_tokens
     state.output_tokens += output_tokens
     state.updated_at = now
+
+
+# -- tool calls --------------------------------------------------------------------------------
+
+IN_FLIGHT = "in_flight"
+COMPLETED = "completed"
+UNKNOWN = "unknown"
+TOOL_CALL_STATES = (IN_FLIGHT, COMPLETED, UNKNOWN)
+
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+
+
+class RecordNotUnknown(Exception):
+    """`resolve_tool_call` on a record that is in flight or already completed."""
+
+    def __init__(self, record: IdempotencyRecord) -> None:
+        super().__init__(f"idempotency record {record.key} of run {record.run_id} is {record.state}")
+        self.record = record
+
+
+@dataclass(slots=True)
+class IdempotencyRecord:
+    """One side-effecting tool call, by (run, key): its intent, then its outcome."""
+
+    run_id: str
+    key: str
+    tool: str
+    args_hash: str
+    state: str  # in_flight / completed / unknown
+    owner: str  # the ledger instance (process) executing it
+    created_at: float
+    updated_at: float
+    step: int = 0
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # the ones that matter: content-type
+    body: bytes = b""
+    error: str = ""  # why it became unknown
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRequest:
+    run_id: str
+    task: str
+    caps: RunCaps
+    now: float
+    tool: str
+    key: str | None  # None: no side effects, no idempotency record (still counted)
+    args_hash: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    action: str  # "execute", "replay" (record is completed) or "wait" (in flight elsewhere)
+    state: RunState
+    record: IdempotencyRecord | None
+
+
+def decide_tool_call(
+    state: RunState, record: IdempotencyRecord | None, req: ToolCallRequest, owner: str, owner_alive: bool
+) -> ToolCallStart:
+    """The rules of one `/tools` call. Mutates `state` and `record` (also when it raises: a
+    rejection's run status, an in-flight record of a dead owner turned `unknown`) — the caller
+    persists both in every case. `owner_alive`: whether `record.owner` still runs."""
+    merge_caps(state, req.task, req.caps, req.now)
+    check_live(state, req.now)
+    if record is not None:
+        if record.state == COMPLETED:
+            return ToolCallStart("replay", replace(state), record)
+        if record.state == IN_FLIGHT and owner_alive:
+            return ToolCallStart("wait", replace(state), record)
+        if record.state == IN_FLIGHT:
+            record.state = UNKNOWN
+            record.updated_at = req.now
+            record.error = "the runcap process executing it died"
+        raise OutcomeUnknown(
+            f"tool call {record.key} ({record.tool}) of run {record.run_id} was interrupted "
+            f"({record.error or 'outcome unknown'}) and may or may not have taken effect; it will not be "
+            "executed again until an operator resolves it with `runcap reconcile` — check the tool's "
+            "side, or continue the run without it"
+        )
+    caps = state.caps
+    if caps.max_tool_calls is not None and state.tool_calls >= caps.max_tool_calls:
+        _set_status(state, "tool_calls_exceeded")
+        raise BudgetExceeded(
+            "max_tool_calls",
+            f"X-Run-Max-Tool-Calls: run {state.run_id} has used all {caps.max_tool_calls} tool calls; "
+            "the call was not executed — answer without it or start a new run",
+        )
+    state.tool_calls_executed += 1
+    if state.status not in TERMINAL_STATUSES:
+        state.status = "active"
+    new = None
+    if req.key is not None:
+        new = IdempotencyRecord(
+            run_id=req.run_id,
+            key=req.key,
+            tool=req.tool,
+            args_hash=req.args_hash,
+            state=IN_FLIGHT,
+            owner=owner,
+            created_at=req.now,
+            updated_at=req.now,
+            step=state.steps,
+        )
+    return ToolCallStart("execute", replace(state), new)

@@ -2,17 +2,24 @@
 
 Each operation is one `BEGIN IMMEDIATE` transaction (the write lock is taken up front, so two
 processes — `serve --workers N` — cannot both read a run's remaining budget and both spend it).
+The methods are coroutines for the interface's sake but run synchronously on the event loop: a
+transaction takes tens of microseconds, less than a hand-off to a thread would cost.
 WAL mode with `synchronous=NORMAL`: a committed transaction survives a `kill -9` of the process
 (it is in the WAL file before COMMIT returns); only an OS crash may lose the last commits.
 
-Reservations are rows owned by the process that made them. Each process holds an exclusive
-`flock` on its own owner file for as long as it lives; a reservation whose owner file can be
-locked by someone else belongs to a dead process and is settled at its reserved amount.
+Reservations and in-flight tool calls are rows owned by the process that made them. Each process
+holds an exclusive `flock` on its own owner file for as long as it lives; a reservation whose owner
+file can be locked by someone else belongs to a dead process and is settled at its reserved amount,
+and a tool call it left `in_flight` becomes `unknown` (it may or may not have reached the tool).
+
+Retention: idempotency records, and runs without reservations, not updated for
+`ledger_retention_s` are deleted by the periodic recovery sweep.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import secrets
@@ -23,16 +30,25 @@ from pathlib import Path
 from proxy.caps import RunCaps
 from proxy.errors import Rejection
 from proxy.ledger.base import (
+    COMPLETED,
+    DEFAULT_RETENTION_S,
+    IN_FLIGHT,
+    UNKNOWN,
+    IdempotencyRecord,
     Ledger,
+    RecordNotUnknown,
     RecoveredReservation,
     Reservation,
     RunState,
     Settlement,
     StepRequest,
+    ToolCallRequest,
+    ToolCallStart,
     apply_recovery,
     apply_settlement,
     check_live,
     decide_step,
+    decide_tool_call,
     merge_caps,
     new_run,
 )
@@ -62,7 +78,45 @@ CREATE TABLE IF NOT EXISTS reservations (
     created_at REAL NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS reservations_owner ON reservations(owner);
+CREATE TABLE IF NOT EXISTS tool_calls (
+    run_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    tool TEXT NOT NULL,
+    args_hash TEXT NOT NULL,
+    state TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    step INTEGER NOT NULL,
+    status INTEGER,
+    headers TEXT NOT NULL,
+    body BLOB NOT NULL,
+    error TEXT NOT NULL,
+    PRIMARY KEY (run_id, key)
+);
+CREATE INDEX IF NOT EXISTS tool_calls_state ON tool_calls(state, updated_at);
 """
+
+_TOOL_COLUMNS = (
+    "run_id, key, tool, args_hash, state, owner, created_at, updated_at, step, status, headers, body, error"
+)
+_TOOL_UPSERT = f"INSERT OR REPLACE INTO tool_calls ({_TOOL_COLUMNS}) VALUES ({', '.join('?' * 13)})"
+
+
+def _row_to_record(row: tuple) -> IdempotencyRecord:  # type: ignore[type-arg]
+    return IdempotencyRecord(
+        run_id=row[0], key=row[1], tool=row[2], args_hash=row[3], state=row[4], owner=row[5],
+        created_at=row[6], updated_at=row[7], step=row[8], status=row[9], headers=json.loads(row[10]),
+        body=bytes(row[11]), error=row[12],
+    )  # fmt: skip
+
+
+def _record_to_row(r: IdempotencyRecord) -> tuple:  # type: ignore[type-arg]
+    return (
+        r.run_id, r.key, r.tool, r.args_hash, r.state, r.owner, r.created_at, r.updated_at, r.step,
+        r.status, json.dumps(r.headers), r.body, r.error,
+    )  # fmt: skip
+
 
 _COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
@@ -106,8 +160,9 @@ def _state_to_row(s: RunState) -> tuple:  # type: ignore[type-arg]
 class SQLiteLedger(Ledger):
     name = "sqlite"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], retention_s: float = DEFAULT_RETENTION_S) -> None:
         self.path = Path(path)
+        self.retention_s = retention_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._owners_dir = self.path.parent / "ledger-owners"
         self._owners_dir.mkdir(exist_ok=True)
@@ -129,7 +184,7 @@ class SQLiteLedger(Ledger):
     def _save(self, state: RunState) -> None:
         self._db.execute(_UPSERT, _state_to_row(state))
 
-    def begin_step(self, req: StepRequest) -> Reservation:
+    async def begin_step(self, req: StepRequest) -> Reservation:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -153,7 +208,7 @@ class SQLiteLedger(Ledger):
                 db.execute("ROLLBACK")
             raise
 
-    def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+    async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -176,7 +231,7 @@ class SQLiteLedger(Ledger):
                 db.execute("ROLLBACK")
             raise
 
-    def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -196,13 +251,13 @@ class SQLiteLedger(Ledger):
                 db.execute("ROLLBACK")
             raise
 
-    def get_run(self, run_id: str) -> RunState | None:
+    async def get_run(self, run_id: str) -> RunState | None:
         return self._load(run_id)
 
-    def cancel(self, run_id: str, now: float) -> RunState | None:
+    async def cancel(self, run_id: str, now: float) -> RunState | None:
         return self._update(run_id, now, cancel=True)
 
-    def set_status(self, run_id: str, status: str, now: float) -> None:
+    async def set_status(self, run_id: str, status: str, now: float) -> None:
         self._update(run_id, now, status=status)
 
     def _update(
@@ -226,11 +281,13 @@ class SQLiteLedger(Ledger):
                 db.execute("ROLLBACK")
             raise
 
-    def recover(self) -> list[RecoveredReservation]:
+    async def recover(self) -> list[RecoveredReservation]:
         owners = [
             r[0]
             for r in self._db.execute(
-                "SELECT DISTINCT owner FROM reservations WHERE owner != ?", (self.owner,)
+                "SELECT owner FROM reservations WHERE owner != ? UNION "
+                "SELECT owner FROM tool_calls WHERE state = 'in_flight' AND owner != ?",
+                (self.owner, self.owner),
             )
         ]
         recovered: list[RecoveredReservation] = []
@@ -250,7 +307,28 @@ class SQLiteLedger(Ledger):
                 "($%s, %d tokens) — the call's real usage is unknown",
                 r.run_id, r.reservation_id, r.usd_nanos / 1e9, r.tokens,
             )  # fmt: skip
+        self.purge(time.time())
         return recovered
+
+    def purge(self, now: float) -> int:
+        """Delete idempotency records and idle runs older than the retention."""
+        cutoff = now - self.retention_s
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            n = db.execute(
+                "DELETE FROM tool_calls WHERE updated_at < ? AND state != 'in_flight'", (cutoff,)
+            ).rowcount
+            n += db.execute(
+                "DELETE FROM runs WHERE updated_at < ? AND run_id NOT IN (SELECT run_id FROM reservations)",
+                (cutoff,),
+            ).rowcount
+            db.execute("COMMIT")
+            return n
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     def _settle_owner(self, owner: str) -> list[RecoveredReservation]:
         db = self._db
@@ -269,6 +347,16 @@ class SQLiteLedger(Ledger):
                     self._save(state)
                 out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
             db.execute("DELETE FROM reservations WHERE owner = ?", (owner,))
+            for run_id, key, tool in db.execute(
+                "UPDATE tool_calls SET state = 'unknown', updated_at = ?, "
+                "error = 'the runcap process executing it died' "
+                "WHERE owner = ? AND state = 'in_flight' RETURNING run_id, key, tool",
+                (now, owner),
+            ).fetchall():
+                log.warning(
+                    "run %s: tool call %s (%s) was in flight in a process that died; its outcome is "
+                    "unknown until reconciled (runcap reconcile)", run_id, key, tool,
+                )  # fmt: skip
             db.execute("COMMIT")
             return out
         except BaseException:
@@ -276,10 +364,136 @@ class SQLiteLedger(Ledger):
                 db.execute("ROLLBACK")
             raise
 
-    def ping(self) -> None:
+    async def ping(self) -> None:
         self._db.execute("SELECT 1").fetchone()
 
-    def close(self) -> None:
+    # -- tool calls -----------------------------------------------------------------------------
+
+    def _load_record(self, run_id: str, key: str) -> IdempotencyRecord | None:
+        row = self._db.execute(
+            f"SELECT {_TOOL_COLUMNS} FROM tool_calls WHERE run_id = ? AND key = ?", (run_id, key)
+        ).fetchone()
+        return _row_to_record(row) if row else None
+
+    def _owner_alive(self, owner: str) -> bool:
+        if owner == self.owner:
+            return True
+        try:
+            fd = os.open(self._owners_dir / f"{owner}.lock", os.O_RDWR)
+        except FileNotFoundError:
+            return False  # removed by a recovery (or a clean shutdown with nothing in flight)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # also releases the lock we may have taken
+        return False
+
+    async def begin_tool_call(self, req: ToolCallRequest) -> ToolCallStart:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            state = self._load(req.run_id) or new_run(req.run_id, req.task, req.caps, req.now)
+            record = self._load_record(req.run_id, req.key) if req.key is not None else None
+            alive = record is not None and record.state == IN_FLIGHT and self._owner_alive(record.owner)
+            try:
+                start = decide_tool_call(state, record, req, self.owner, alive)
+            except Rejection:
+                self._save(state)
+                if record is not None:
+                    db.execute(_TOOL_UPSERT, _record_to_row(record))
+                db.execute("COMMIT")
+                raise
+            self._save(state)
+            if start.action == "execute" and start.record is not None:
+                db.execute(_TOOL_UPSERT, _record_to_row(start.record))
+            db.execute("COMMIT")
+            return start
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    async def complete_tool_call(
+        self, run_id: str, key: str, status: int, headers: dict[str, str], body: bytes, now: float
+    ) -> None:
+        self._db.execute(
+            "UPDATE tool_calls SET state = ?, status = ?, headers = ?, body = ?, updated_at = ?, error = '' "
+            "WHERE run_id = ? AND key = ?",
+            (COMPLETED, status, json.dumps(headers), body, now, run_id, key),
+        )
+
+    async def mark_unknown(self, run_id: str, key: str, now: float, reason: str = "") -> None:
+        self._db.execute(
+            "UPDATE tool_calls SET state = ?, updated_at = ?, error = ? "
+            "WHERE run_id = ? AND key = ? AND state = ?",
+            (UNKNOWN, now, reason, run_id, key, IN_FLIGHT),
+        )
+
+    async def get_tool_call(self, run_id: str, key: str) -> IdempotencyRecord | None:
+        return self._load_record(run_id, key)
+
+    async def list_tool_calls(
+        self, state: str | None = None, run_id: str | None = None, limit: int = 1000
+    ) -> list[IdempotencyRecord]:
+        where, args = [], []
+        if state is not None:
+            where.append("state = ?")
+            args.append(state)
+        if run_id is not None:
+            where.append("run_id = ?")
+            args.append(run_id)
+        sql = f"SELECT {_TOOL_COLUMNS} FROM tool_calls"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._db.execute(sql + " ORDER BY created_at LIMIT ?", (*args, limit)).fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    async def resolve_tool_call(
+        self,
+        run_id: str,
+        key: str,
+        *,
+        done: bool,
+        now: float,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        body: bytes = b"",
+        force: bool = False,
+    ) -> IdempotencyRecord | None:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            record = self._load_record(run_id, key)
+            if record is None:
+                db.execute("COMMIT")
+                return None
+            if record.state != UNKNOWN and not force:
+                db.execute("COMMIT")
+                raise RecordNotUnknown(record)
+            if done:
+                db.execute(
+                    "UPDATE tool_calls SET state = ?, status = ?, headers = ?, body = ?, updated_at = ?, "
+                    "error = '' WHERE run_id = ? AND key = ?",
+                    (COMPLETED, status, json.dumps(headers or {}), body, now, run_id, key),
+                )
+            else:
+                # It did not happen: the next attempt executes, and this one is not counted.
+                db.execute("DELETE FROM tool_calls WHERE run_id = ? AND key = ?", (run_id, key))
+                state = self._load(run_id)
+                if state is not None and state.tool_calls_executed > 0:
+                    state.tool_calls_executed -= 1
+                    state.updated_at = now
+                    self._save(state)
+            db.execute("COMMIT")
+            return record
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    async def close(self) -> None:
         self._db.close()
         lock_path = Path(self._owner_file.name)
         self._owner_file.close()
@@ -292,7 +506,11 @@ class SQLiteLedger(Ledger):
         db = sqlite3.connect(self.path)
         try:
             return (
-                db.execute("SELECT 1 FROM reservations WHERE owner = ? LIMIT 1", (owner,)).fetchone()
+                db.execute(
+                    "SELECT 1 FROM reservations WHERE owner = ? UNION ALL "
+                    "SELECT 1 FROM tool_calls WHERE owner = ? AND state = 'in_flight' LIMIT 1",
+                    (owner, owner),
+                ).fetchone()
                 is not None
             )
         finally:

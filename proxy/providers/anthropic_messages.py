@@ -14,7 +14,16 @@ from typing import Any
 
 import orjson
 
-from .base import BodyError, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
+from .base import (
+    BodyError,
+    RequestInfo,
+    ResponseInfo,
+    ToolCall,
+    ToolResult,
+    Usage,
+    context_digest,
+    turn_key,
+)
 from .body import (
     BASE_OVERHEAD,
     BUILTIN_TOOL_BOUND,
@@ -110,6 +119,26 @@ def _has_tool_blocks(messages: Any) -> bool:
     return False
 
 
+def _blocks_turn(content: Any) -> bytes | None:
+    """`turn_key` of assistant content (a response's, or one sent back as history): text blocks
+    and tool_use blocks; None for anything else (thinking, server tools...)."""
+    if isinstance(content, str):
+        return turn_key(content, ())
+    if not isinstance(content, list):
+        return None
+    texts: list[str] = []
+    calls: list[tuple[str, str]] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use":
+            calls.append((text_of(block, "name"), compact_json(block.get("input", {}))))
+        else:
+            return None
+    return turn_key("".join(texts), calls)
+
+
 class MessagesStreamReader(SSEStreamReader):
     """Reads Messages API stream events.
 
@@ -128,6 +157,8 @@ class MessagesStreamReader(SSEStreamReader):
         self._stop = ""
         # content block index -> [id, name, input fragments]
         self._calls: dict[int, list[Any]] = {}
+        self._text: list[str] = []
+        self._other_blocks = False  # thinking, server tools...: no turn key
 
     def on_event(self, event: SSEEvent) -> bool:
         data = event.json()
@@ -136,12 +167,22 @@ class MessagesStreamReader(SSEStreamReader):
         kind = data.get("type") or event.event
         if kind == "content_block_delta":
             delta = data.get("delta")
-            if isinstance(delta, dict) and delta.get("type") == "input_json_delta":
+            if (
+                isinstance(delta, dict)
+                and delta.get("type") == "text_delta"
+                and isinstance(delta.get("text"), str)
+            ):
+                self._text.append(delta["text"])
+            elif isinstance(delta, dict) and delta.get("type") == "input_json_delta":
                 slot = self._calls.get(data.get("index"))  # type: ignore[arg-type]
                 if slot is not None and isinstance(delta.get("partial_json"), str):
                     slot[2].append(delta["partial_json"])
         elif kind == "content_block_start":
             block = data.get("content_block")
+            if isinstance(block, dict) and block.get("type") not in ("text", "tool_use"):
+                self._other_blocks = True
+            if isinstance(block, dict) and block.get("type") == "text" and block.get("text"):
+                self._text.append(block["text"])
             if isinstance(block, dict) and block.get("type") == "tool_use":
                 start = block.get("input")
                 fragments = [compact_json(start)] if start else []
@@ -195,6 +236,9 @@ class MessagesStreamReader(SSEStreamReader):
             tool_calls=calls,
             finished=bool(self._stop) and self._stop not in _NOT_FINAL and not calls,
             response_id=self._id,
+            turn=None
+            if self._other_blocks
+            else turn_key("".join(self._text), [(c.name, c.arguments) for c in calls]),
         )
 
 
@@ -224,8 +268,11 @@ class MessagesAdapter:
         bound = BASE_OVERHEAD + _CONTENT(body.get("system"))
         bound += MESSAGE_OVERHEAD * len(messages) + _CONTENT(messages)
         results: list[ToolResult] = []
+        last_assistant = -1
         for i, message in enumerate(messages):
             message = object_item(message, f"messages[{i}]")
+            if message.get("role") == "assistant":
+                last_assistant = i
             content = message.get("content")
             if not isinstance(content, list) or message.get("role") != "user":
                 continue
@@ -234,7 +281,11 @@ class MessagesAdapter:
                     call_id = block.get("tool_use_id")
                     if not isinstance(call_id, str):
                         raise BodyError(f"messages[{i}].content[{j}].tool_use_id must be a string")
-                    results.append(ToolResult(call_id, block.get("content"), block.get("is_error") is True))
+                    results.append(
+                        ToolResult(
+                            call_id, block.get("content"), block.get("is_error") is True, i > last_assistant
+                        )
+                    )
         if tools:
             bound += TOOL_PROMPT_BOUND + json_bytes(tools)
             for tool in tools:
@@ -257,7 +308,23 @@ class MessagesAdapter:
             has_tools=bool(tools),
             tool_results=results,
             input_token_bound=bound,
+            history=messages,
+            context=context_digest(
+                model,
+                body.get("system"),
+                tools,
+                body.get("tool_choice"),
+                body.get("mcp_servers"),
+                body.get("output_format"),
+                config,
+            ),
         )
+
+    def history_item(self, item: Any) -> tuple[int, bytes | None]:
+        bound = MESSAGE_OVERHEAD + _CONTENT(item)
+        if not isinstance(item, dict) or item.get("role") != "assistant":
+            return bound, None
+        return bound, _blocks_turn(item.get("content"))
 
     def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
         body["max_tokens"] = limit
@@ -301,6 +368,7 @@ class MessagesAdapter:
             tool_calls=calls,
             finished=isinstance(stop, str) and stop not in _NOT_FINAL and not calls,
             response_id=text_of(body, "id"),
+            turn=_blocks_turn(content),
         )
 
     def stream_reader(self, strip_injected_usage: bool) -> MessagesStreamReader:

@@ -8,6 +8,8 @@ span pipeline only ever see `Usage`, `ToolCall`, `ToolResult`, `RequestInfo` and
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,6 +56,9 @@ class ToolResult:
     tool_call_id: str
     content: Any  # str, or the structured content blocks as sent
     is_error: bool = False
+    # Sent after the request's last assistant turn: new in this request, not history that every
+    # later request of the conversation resends.
+    fresh: bool = True
 
 
 @dataclass(slots=True)
@@ -69,6 +74,11 @@ class RequestInfo:
     input_token_bound: int = 0
     # The client asked for usage in the stream itself (OpenAI `stream_options.include_usage`).
     client_wants_stream_usage: bool = False
+    # The conversation the request carries (messages), for formats that resend it every call,
+    # and a digest of everything else the model reads (model, system prompt, tools...): two
+    # requests with the same context whose histories share a prefix read that prefix alike.
+    history: list[Any] = field(default_factory=list)
+    context: bytes = b""
 
 
 @dataclass(slots=True)
@@ -79,6 +89,9 @@ class ResponseInfo:
     # The response ended without requesting tools (a final answer).
     finished: bool = False
     response_id: str = ""
+    # `turn_key` of the answer (its text and tool calls), to recognise it when the agent sends it
+    # back in the next request's history; None when it cannot be told (several choices...).
+    turn: bytes | None = None
 
 
 class StreamReader(Protocol):
@@ -116,4 +129,32 @@ class Adapter(Protocol):
 
     def parse_response(self, body: dict[str, Any]) -> ResponseInfo: ...
 
+    def history_item(self, item: Any) -> tuple[int, bytes | None]:
+        """For one item of `RequestInfo.history`: its input-token bound (as `parse_request`
+        counts it) and, for an assistant turn, its `turn_key` (else None)."""
+
     def stream_reader(self, strip_injected_usage: bool) -> StreamReader: ...
+
+
+def turn_key(text: str, calls: Iterable[tuple[str, str]]) -> bytes:
+    """Identity of one assistant turn: all its text, then each tool call's name and arguments
+    as JSON text. The same answer read from a response and from the next request's history
+    gets the same key."""
+    h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16)
+    for name, arguments in calls:
+        h.update(
+            b"\x00"
+            + name.encode("utf-8", "surrogatepass")
+            + b"\x00"
+            + arguments.encode("utf-8", "surrogatepass")
+        )
+    return h.digest()
+
+
+def context_digest(*parts: Any) -> bytes:
+    import orjson
+
+    try:
+        return hashlib.blake2b(orjson.dumps(parts), digest_size=16).digest()
+    except TypeError:
+        return b""

@@ -64,6 +64,9 @@ class CompletionsAdapter:
     name = "completions"
     min_output_limit = 1
 
+    def history_item(self, item: Any) -> tuple[int, bytes | None]:
+        raise NotImplementedError("this format's requests carry no resent history")
+
     def parse_request(self, body: dict[str, Any]) -> RequestInfo:
         body = request_object(body)
         model = model_field(body)
@@ -109,6 +112,9 @@ class CompletionsAdapter:
 class EmbeddingsAdapter:
     name = "embeddings"
     min_output_limit = 1
+
+    def history_item(self, item: Any) -> tuple[int, bytes | None]:
+        raise NotImplementedError("this format's requests carry no resent history")
 
     def parse_request(self, body: dict[str, Any]) -> RequestInfo:
         body = request_object(body)

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import BodyError, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
+from .base import (
+    BodyError,
+    RequestInfo,
+    ResponseInfo,
+    ToolCall,
+    ToolResult,
+    Usage,
+    context_digest,
+    turn_key,
+)
 from .body import (
     BASE_OVERHEAD,
     MEDIA_TOKEN_BOUND,
@@ -111,6 +120,28 @@ _CONTENT = ContentBound(
 )
 
 
+def _message_turn(message: dict[str, Any]) -> bytes | None:
+    """`turn_key` of an assistant message, as a response or as history (None for content the
+    key does not cover: refusals, audio, parts other than text)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict)]
+        if not all(isinstance(t, str) for t in texts) or len(texts) != len(content):
+            return None
+        content = "".join(texts)  # type: ignore[arg-type]
+    elif content is not None and not isinstance(content, str):
+        return None
+    if message.get("refusal") or message.get("audio"):
+        return None
+    calls = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+            return None
+        calls.append((text_of(fn, "name"), fn["arguments"]))
+    return turn_key(content or "", calls)
+
+
 class ChatStreamReader(SSEStreamReader):
     """Reads `chat.completion.chunk` (and `text_completion`) streams.
 
@@ -127,6 +158,8 @@ class ChatStreamReader(SSEStreamReader):
         self._ended = False
         # (choice index, tool call index) -> [id, name, argument fragments]
         self._calls: dict[tuple[int, int], list[Any]] = {}
+        self._text: list[str] = []  # choice 0's content, for the answer's turn key
+        self._choices: set[int] = set()
 
     def on_event(self, event: SSEEvent) -> bool:
         chunk = event.json()
@@ -153,6 +186,10 @@ class ChatStreamReader(SSEStreamReader):
         return True
 
     def _read_delta(self, choice: int, delta: dict[str, Any]) -> None:
+        self._choices.add(choice)
+        content = delta.get("content")
+        if isinstance(content, str) and choice == 0:
+            self._text.append(content)
         tool_calls = delta.get("tool_calls")
         if isinstance(tool_calls, list):
             for position, call in enumerate(tool_calls):
@@ -182,12 +219,14 @@ class ChatStreamReader(SSEStreamReader):
     @property
     def info(self) -> ResponseInfo:
         calls = [ToolCall(str(slot[0]), str(slot[1]), "".join(slot[2])) for slot in self._calls.values()]
+        single = self._choices <= {0} and all(key[1] >= 0 for key in self._calls)
         return ResponseInfo(
             model=self._model,
             usage=self._usage,
             tool_calls=calls,
             finished=self._ended and not calls,
             response_id=self._id,
+            turn=turn_key("".join(self._text), [(c.name, c.arguments) for c in calls]) if single else None,
         )
 
 
@@ -210,15 +249,18 @@ class ChatCompletionsAdapter:
 
         bound = BASE_OVERHEAD + MESSAGE_OVERHEAD * len(messages) + _CONTENT(messages)
         results: list[ToolResult] = []
+        last_assistant = -1
         for i, message in enumerate(messages):
             message = object_item(message, f"messages[{i}]")
+            if message.get("role") == "assistant":
+                last_assistant = i
             if isinstance(message.get("audio"), dict):  # an earlier audio answer, by id
                 bound += MEDIA_TOKEN_BOUND
             if message.get("role") == "tool":
                 call_id = message.get("tool_call_id")
                 if not isinstance(call_id, str):
                     raise BodyError(f"messages[{i}].tool_call_id must be a string")
-                results.append(ToolResult(call_id, message.get("content")))
+                results.append(ToolResult(call_id, message.get("content"), fresh=i > last_assistant))
         if tools or functions:
             bound += TOOL_PROMPT_BOUND + json_bytes(tools) + json_bytes(functions)
         response_format = body.get("response_format")
@@ -233,7 +275,26 @@ class ChatCompletionsAdapter:
             tool_results=results,
             input_token_bound=bound,
             client_wants_stream_usage=stream and wants_stream_usage(body),
+            history=messages,
+            context=context_digest(
+                model,
+                tools,
+                functions,
+                response_format,
+                body.get("tool_choice"),
+                body.get("parallel_tool_calls"),
+            ),
         )
+
+    def history_item(self, item: Any) -> tuple[int, bytes | None]:
+        if not isinstance(item, dict):
+            return MESSAGE_OVERHEAD + _CONTENT(item), None
+        bound = MESSAGE_OVERHEAD + _CONTENT(item)
+        if isinstance(item.get("audio"), dict):
+            bound += MEDIA_TOKEN_BOUND
+        if item.get("role") != "assistant":
+            return bound, None
+        return bound, _message_turn(item)
 
     def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
         # `limit` bounds the whole call; with n > 1 each choice gets its share.
@@ -275,12 +336,18 @@ class ChatCompletionsAdapter:
                 legacy = message.get("function_call")
                 if isinstance(legacy, dict):
                     calls.append(ToolCall("", text_of(legacy, "name"), text_of(legacy, "arguments")))
+        turn = None
+        if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+            message = choices[0].get("message")
+            if isinstance(message, dict):
+                turn = _message_turn(message)
         return ResponseInfo(
             model=text_of(body, "model"),
             usage=openai_usage(body.get("usage")),
             tool_calls=calls,
             finished=bool(choices) and not calls,
             response_id=text_of(body, "id"),
+            turn=turn,
         )
 
     def stream_reader(self, strip_injected_usage: bool) -> ChatStreamReader:

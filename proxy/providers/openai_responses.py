@@ -171,6 +171,9 @@ class ResponsesAdapter:
     # OpenAI rejects max_output_tokens below 16: a call that cannot afford 16 must be refused.
     min_output_limit = 16
 
+    def history_item(self, item: Any) -> tuple[int, bytes | None]:
+        raise NotImplementedError("this format's requests carry no resent history")
+
     def parse_request(self, body: dict[str, Any]) -> RequestInfo:
         body = request_object(body)
         # A stored prompt (`prompt.id`) may carry the model; otherwise it is required.
@@ -186,14 +189,23 @@ class ResponsesAdapter:
             bound += MESSAGE_OVERHEAD + text_bytes(items)
         elif isinstance(items, list):
             bound += MESSAGE_OVERHEAD * len(items) + _CONTENT(items)
+            last_assistant = -1
             for i, item in enumerate(items):
                 item = object_item(item, f"input[{i}]")
-                if item.get("type") in _CALL_OUTPUTS:
+                kind = item.get("type")
+                if item.get("role") == "assistant" or kind in _CALLS or kind == "reasoning":
+                    last_assistant = i  # a model turn: its message, reasoning or tool calls
+                if kind in _CALL_OUTPUTS:
                     call_id = item.get("call_id")
                     if not isinstance(call_id, str):
                         raise BodyError(f"input[{i}].call_id must be a string")
                     results.append(
-                        ToolResult(call_id, item.get("output"), is_error=item.get("status") == "failed")
+                        ToolResult(
+                            call_id,
+                            item.get("output"),
+                            is_error=item.get("status") == "failed",
+                            fresh=i > last_assistant,
+                        )
                     )
         elif items is not None:
             raise BodyError("input must be a string or an array")

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -25,10 +26,16 @@ from proxy.ledger.sqlite import SQLiteLedger
 from proxy.pricing import PriceBook
 from proxy.server.accesslog import AccessLogStep
 from proxy.server.budget import BudgetStep
-from proxy.server.flow import Flights
+from proxy.server.cancel import CancelPropagation
+from proxy.server.flow import Flights, FlowStep
 from proxy.server.forward import Forwarder
 from proxy.server.metrics import Metrics, MetricsStep
 from proxy.server.ops import AdminGuard, OpsRoutes
+from proxy.server.reconcile import IdempotencyAdmin
+from proxy.server.tools import ToolGateway
+from proxy.server.trace import TraceStep
+from proxy.spans.recorder import SpanRecorder
+from proxy.spans.setup import SpanSystem, open_span_system
 
 log = logging.getLogger("runcap.server")
 
@@ -44,8 +51,13 @@ class Runtime:
     prices: PriceBook
     metrics: Metrics
     flights: Flights
+    spans: SpanSystem
     forwarder: Forwarder | None = None
     session: aiohttp.ClientSession | None = None
+
+    @property
+    def recorder(self) -> SpanRecorder:
+        return self.spans.recorder
 
 
 RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
@@ -53,18 +65,30 @@ RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
 
 def open_ledger(config: Config) -> Ledger:
     if config.redis_url:
-        raise NotImplementedError("RUNCAP_REDIS_URL: the Redis ledger backend is not available yet")
-    return SQLiteLedger(config.data_dir / "ledger.sqlite3")
+        from proxy.ledger.redis import RedisLedger
+
+        return RedisLedger(config.redis_url, retention_s=config.ledger_retention_s)
+    return SQLiteLedger(config.data_dir / "ledger.sqlite3", retention_s=config.ledger_retention_s)
 
 
-def build_app(config: Config, ledger: Ledger | None = None) -> web.Application:
+def build_app(
+    config: Config, ledger: Ledger | None = None, span_options: dict[str, Any] | None = None
+) -> web.Application:
+    """`span_options` tune the span pipeline (tests flush faster)."""
     ledger = ledger or open_ledger(config)
     metrics = Metrics()
-    rt = Runtime(config, ledger, PriceBook(dict(config.prices)), metrics, Flights())
+    spans = open_span_system(config, **(span_options or {}))
+    if spans.pipeline is not None:
+        metrics.watch_pipeline(spans.pipeline)
+    rt = Runtime(config, ledger, PriceBook(dict(config.prices)), metrics, Flights(), spans)
     app = web.Application(client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536})
     app[RUNTIME] = rt
 
-    OpsRoutes(ledger, metrics, rt.flights, AdminGuard(config.admin_token)).add_to(app)
+    OpsRoutes(ledger, metrics, rt.flights, AdminGuard(config.admin_token), spans.store).add_to(app)
+    # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
+    ToolGateway(config, ledger, rt.flights, metrics, lambda: getattr(rt, "recorder", None)).add_to(app)
+    IdempotencyAdmin(ledger, AdminGuard(config.admin_token)).add_to(app)
+    CancelPropagation(ledger, rt.flights).add_to(app)
     upstreams = config.upstreams
 
     def known() -> str:
@@ -101,11 +125,14 @@ def build_app(config: Config, ledger: Ledger | None = None) -> web.Application:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
             auto_decompress=True,
         )
-        steps = [BudgetStep(config, ledger, rt.prices, metrics), MetricsStep(metrics)]
+        steps: list[FlowStep] = [BudgetStep(config, ledger, rt.prices, metrics), MetricsStep(metrics)]
+        if config.tracing:
+            steps.append(TraceStep(spans.recorder))
         if config.log_requests:
             steps.append(AccessLogStep())
         rt.forwarder = Forwarder(config, rt.session, steps, rt.flights, metrics)
-        ledger.recover()
+        await ledger.recover()
+        spans.start()
         app[_RECOVERY] = asyncio.create_task(_recovery_loop(ledger))
 
     async def on_cleanup(app: web.Application) -> None:
@@ -114,7 +141,9 @@ def build_app(config: Config, ledger: Ledger | None = None) -> web.Application:
             await app[_RECOVERY]
         if rt.session is not None:
             await rt.session.close()
-        ledger.close()
+        # Drain what the requests recorded to the sinks (or their spools) before exiting.
+        await spans.aclose()
+        await ledger.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
@@ -129,7 +158,7 @@ async def _recovery_loop(ledger: Ledger) -> None:
     while True:
         await asyncio.sleep(RECOVERY_INTERVAL_S)
         try:
-            ledger.recover()
+            await ledger.recover()
         except Exception:
             log.exception("ledger recovery failed")
 

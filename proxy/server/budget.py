@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 from decimal import Decimal
+from typing import TypeVar
 
 from proxy.config import Config
+from proxy.errors import Rejection
 from proxy.ledger.base import Ledger, Reservation, RunState, Settlement, StepRequest
 from proxy.money import format_usd, usd_to_nanos
 from proxy.pricing import PriceBook, max_output_tokens
 from proxy.providers.base import Usage
 from proxy.server.flow import Flow
+from proxy.server.history import ConversationMemory
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("runcap.budget")
 
 _MTOK = Decimal(1_000_000)
+T = TypeVar("T")
 
 
 def pricing_provider(flow: Flow) -> str:
@@ -38,6 +43,7 @@ class BudgetStep:
         self.ledger = ledger
         self.prices = prices
         self.metrics = metrics
+        self.history = ConversationMemory()
 
     # -- request ------------------------------------------------------------------------------
 
@@ -47,8 +53,8 @@ class BudgetStep:
         if flow.adapter is None or flow.info is None:
             # A pass-through call reserves nothing, but a cancelled or expired run stays stopped.
             if not run.generated:
-                flow.state = self._timed(
-                    "touch", self.ledger.touch_run, run.run_id, run.task, run.caps, time.time()
+                flow.state = await self._timed(
+                    "touch", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
                 )
             return
         info = flow.info
@@ -65,7 +71,9 @@ class BudgetStep:
             caps=run.caps,
             now=time.time(),
             model=info.model,
-            input_tokens_bound=info.input_token_bound,
+            input_tokens_bound=info.input_token_bound
+            if run.generated
+            else self.history.bound(run.run_id, flow.adapter, info),
             client_output_limit=info.max_output_tokens,
             model_output_bound=model_bound,
             min_output_tokens=max(self.caps.min_output_tokens, flow.adapter.min_output_limit),
@@ -74,7 +82,11 @@ class BudgetStep:
             allow_unpriced=self.caps.allow_unpriced,
             counts_as_step=flow.adapter.name != "embeddings",
         )
-        res: Reservation = self._timed("reserve", self.ledger.begin_step, req)
+        try:
+            res: Reservation = await self._timed("reserve", self.ledger.begin_step(req))
+        except Rejection:
+            flow.state = await self.ledger.get_run(run.run_id)  # for the refused call's span
+            raise
         flow.reservation = res
         flow.state = res.state
         flow.step = res.step
@@ -98,22 +110,25 @@ class BudgetStep:
 
     async def response(self, flow: Flow) -> None:
         if flow.reservation is not None and flow.response_body is not None:
-            self._settle(flow)  # buffered: the exact remaining budget goes in the headers
+            await self._settle(flow)  # buffered: the exact remaining budget goes in the headers
         if flow.run is not None and flow.state is not None:
             flow.reply_headers.update(run_headers(flow, flow.state, time.time()))
 
     async def done(self, flow: Flow) -> None:
         if flow.reservation is not None:
-            self._settle(flow)
+            await self._settle(flow)
 
-    def _settle(self, flow: Flow) -> None:
+    async def _settle(self, flow: Flow) -> None:
         res = flow.reservation
         if res is None:
             return
         flow.reservation = None  # exactly once
         settlement = self.settlement(flow, res)
-        flow.state = self._timed("settle", self.ledger.settle, res, settlement, time.time())
+        flow.state = await self._timed("settle", self.ledger.settle(res, settlement, time.time()))
         self.metrics.settled(flow, settlement)
+        resp = flow.response_info
+        if flow.outcome == "ok" and flow.info and resp and resp.usage and not flow.run.generated:
+            self.history.remember(res.run_id, flow.info, resp.usage, resp)
 
     def settlement(self, flow: Flow, res: Reservation) -> Settlement:
         info = flow.response_info
@@ -154,10 +169,10 @@ class BudgetStep:
             run_status=status,
         )
 
-    def _timed(self, op, fn, *args):  # type: ignore[no-untyped-def]
+    async def _timed(self, op: str, call: Awaitable[T]) -> T:
         t0 = time.perf_counter()
         try:
-            return fn(*args)
+            return await call
         finally:
             self.metrics.ledger_op(op, time.perf_counter() - t0)
 

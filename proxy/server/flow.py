@@ -49,6 +49,10 @@ class Flow:
     upstream_status: int = 0
     reply_headers: dict[str, str] = field(default_factory=dict)  # runcap's own response headers
     response_body: bytes | None = None  # buffered responses only
+    sent_body: bytes = b""  # the request body as forwarded upstream (after clamps and strips)
+    # Raw upstream bytes of a relayed stream, kept for the payload store while they fit its limit
+    # (None: not captured, or over the limit).
+    captured: bytearray | None = None
     response_info: ResponseInfo | None = None
     streamed: bool = False
     ttft_ms: float | None = None
@@ -81,13 +85,21 @@ class FlowStep(Protocol):
     async def done(self, flow: Flow) -> None: ...
 
 
+class Cuttable(Protocol):
+    """A call a cancel can cut: a model `Flow` or a `/tools` call. Its `cut_reason` tells the
+    task being cancelled why."""
+
+    cut_reason: str | None
+
+
 class Flights:
-    """In-flight upstream calls by run, so a cancel can abort them (this process only)."""
+    """In-flight upstream calls (model and tool) by run, so a cancel can abort them (this
+    process only; `server/cancel.py` carries cancels made elsewhere to here)."""
 
     def __init__(self) -> None:
-        self._by_run: dict[str, dict[asyncio.Task[Any], Flow]] = {}
+        self._by_run: dict[str, dict[asyncio.Task[Any], Cuttable]] = {}
 
-    def add(self, run_id: str, task: asyncio.Task[Any], flow: Flow) -> None:
+    def add(self, run_id: str, task: asyncio.Task[Any], flow: Cuttable) -> None:
         self._by_run.setdefault(run_id, {})[task] = flow
 
     def remove(self, run_id: str, task: asyncio.Task[Any]) -> None:
@@ -99,10 +111,17 @@ class Flights:
 
     def cancel_run(self, run_id: str) -> int:
         tasks = self._by_run.get(run_id, {})
+        cut = 0
         for task, flow in list(tasks.items()):
+            if flow.cut_reason == "cancel":
+                continue  # already cut: a second cancel would interrupt its clean-up
             flow.cut_reason = "cancel"
             task.cancel("runcap: run cancelled")
-        return len(tasks)
+            cut += 1
+        return cut
+
+    def run_ids(self) -> list[str]:
+        return list(self._by_run)
 
     def count(self) -> int:
         return sum(len(t) for t in self._by_run.values())

@@ -68,6 +68,8 @@ class Forwarder:
         self.steps = list(steps)
         self.flights = flights
         self.metrics = metrics
+        # Streams are captured for the payload store only when it keeps bodies at all.
+        self.capture_limit = 0 if config.payloads == "off" else config.payload_max_bytes
 
     async def handle(self, request: web.Request, upstream: UpstreamConfig, path: str) -> web.StreamResponse:
         adapter = adapter_for(upstream.flavor, path) if request.method == "POST" else None
@@ -152,6 +154,7 @@ class Forwarder:
         deadline = flow.state.caps.deadline if flow.state is not None else None
         timeout = None if deadline is None else max(0.0, deadline - time.time())
         body = orjson.dumps(flow.body_json) if flow.body_changed else flow.body
+        flow.sent_body = body
         url = flow.upstream.url + flow.path
         reply: web.StreamResponse | None = None
         upstream: aiohttp.ClientResponse | None = None
@@ -248,10 +251,17 @@ class Forwarder:
             strip = flow.injected_stream_usage and not (flow.info and flow.info.client_wants_stream_usage)
             reader = flow.adapter.stream_reader(strip)
         first = True
+        capture_limit = self.capture_limit if reader is not None else 0
+        captured = flow.captured = bytearray() if capture_limit else None
         async for chunk in upstream.content.iter_any():
             if first:
                 flow.ttft_ms = flow.duration_ms
                 first = False
+            if captured is not None:
+                if len(captured) + len(chunk) <= capture_limit:
+                    captured += chunk
+                else:
+                    captured = flow.captured = None  # too large to store: hash nothing
             out = reader.feed(chunk) if reader is not None else chunk
             if out:
                 await reply.write(out)

@@ -6,16 +6,19 @@ worker exports its own series; scrape every worker or sum them in Prometheus.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from proxy.money import NANOS_PER_USD
 
 if TYPE_CHECKING:
     from proxy.ledger.base import Settlement
     from proxy.server.flow import Flow
+    from proxy.spans.pipeline import SpanPipeline
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -70,10 +73,24 @@ class Metrics:
         self.clamped = Counter("runcap_clamped_calls", "Calls whose output limit runcap lowered.", registry=r)
         self.final_steps = Counter("runcap_final_steps", "Answer-only final steps enforced.", registry=r)
         self.in_flight = Gauge("runcap_in_flight", "Upstream calls in flight.", registry=r)
+        self.tool_calls = Counter(
+            "runcap_tool_calls", "Calls through /tools, by tool and outcome (ok, error, replayed, ...).",
+            ["tool", "outcome"], registry=r,
+        )  # fmt: skip
+        self.tool_replays = Counter(
+            "runcap_tool_replays", "Side-effecting tool calls answered from their idempotency record.",
+            ["tool"], registry=r,
+        )  # fmt: skip
+        self.tool_unknown = Counter(
+            "runcap_tool_unknown_outcomes",
+            "Side-effecting tool calls cut in flight (cancel, timeout, reset): outcome unknown "
+            "until reconciled.",
+            ["tool"], registry=r,
+        )  # fmt: skip
 
-    def gauge_fn(self, name: str, doc: str, fn: Callable[[], float]) -> None:
-        """Export a value read at scrape time (pipeline queue depth, spool size, ...)."""
-        Gauge(name, doc, registry=self.registry).set_function(fn)
+    def watch_pipeline(self, pipeline: SpanPipeline) -> None:
+        """Export the span pipeline's queue, spools and sink errors, read at scrape time."""
+        self.registry.register(_PipelineCollector(pipeline))
 
     def ledger_op(self, op: str, seconds: float) -> None:
         self.ledger_latency.labels(op).observe(seconds)
@@ -119,3 +136,35 @@ class MetricsStep:
     async def done(self, flow: Flow) -> None:
         self.m.requests.labels(flow.upstream.name, flow.endpoint, str(flow.status)).inc()
         self.m.latency.labels(flow.upstream.name, flow.endpoint).observe(flow.duration_ms / 1000.0)
+
+
+class _PipelineCollector(Collector):
+    def __init__(self, pipeline: SpanPipeline) -> None:
+        self.pipeline = pipeline
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.pipeline.stats()
+        yield GaugeMetricFamily("runcap_span_queue_depth", "Records waiting in memory.", value=st.queue_depth)
+        yield CounterMetricFamily(
+            "runcap_span_overflowed", "Records spooled because the queue was full.", value=st.overflowed
+        )
+        per_sink = {
+            "runcap_spool_records": ("Records spooled on disk, waiting for the sink.", "spooled_records"),
+            "runcap_spool_bytes": ("Bytes spooled on disk, waiting for the sink.", "spooled_bytes"),
+            "runcap_spool_oldest_age_seconds": ("Age of the oldest spooled record.", "oldest_spooled_age_s"),
+        }
+        for name, (doc, attr) in per_sink.items():
+            g = GaugeMetricFamily(name, doc, labels=["sink"])
+            for sink, s in st.sinks.items():
+                g.add_metric([sink], getattr(s, attr))
+            yield g
+        counters = {
+            "runcap_sink_errors": ("Failed writes to a sink (replays included).", "errors"),
+            "runcap_sink_records_written": ("Records a sink took.", "records_written"),
+            "runcap_sink_dropped": ("Records lost because the spool could not be written.", "dropped"),
+        }
+        for name, (doc, attr) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["sink"])
+            for sink, s in st.sinks.items():
+                c.add_metric([sink], getattr(s, attr))
+            yield c

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from proxy.caps import RUN_ID_RE
@@ -16,6 +18,8 @@ from proxy.ledger.base import Ledger, RunState
 from proxy.money import format_usd
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
+from proxy.spans.clickhouse import SpanQueryError, SpanStoreError
+from proxy.spans.sink import LazySink, SinkError
 
 
 def iso(ts: float | None) -> str | None:
@@ -62,8 +66,6 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    import orjson
-
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
@@ -92,11 +94,19 @@ class AdminGuard:
 
 
 class OpsRoutes:
-    def __init__(self, ledger: Ledger, metrics: Metrics, flights: Flights, guard: AdminGuard) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        metrics: Metrics,
+        flights: Flights,
+        guard: AdminGuard,
+        span_store: LazySink | None = None,
+    ) -> None:
         self.ledger = ledger
         self.metrics = metrics
         self.flights = flights
         self.guard = guard
+        self.span_store = span_store
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/healthz", self.healthz)
@@ -104,13 +114,14 @@ class OpsRoutes:
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/runs/{run_id}", self.get_run)
         app.router.add_post("/runs/{run_id}/cancel", self.cancel_run)
+        app.router.add_post("/admin/sql", self.admin_sql)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return _json({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
         try:
-            self.ledger.ping()
+            await self.ledger.ping()
         except Exception as e:
             return _json({"status": "unavailable", "ledger": self.ledger.name, "error": str(e)}, 503)
         return _json({"status": "ready", "ledger": self.ledger.name})
@@ -127,7 +138,7 @@ class OpsRoutes:
     async def get_run(self, request: web.Request) -> web.StreamResponse:
         try:
             run_id = self._run_id(request)
-            state = self.ledger.get_run(run_id)
+            state = await self.ledger.get_run(run_id)
             if state is None:
                 raise NotFound(f"no run {run_id!r} in the ledger")
         except (InvalidRequest, NotFound) as rej:
@@ -140,7 +151,35 @@ class OpsRoutes:
             run_id = self._run_id(request)
         except (InvalidRequest, Unauthorized) as rej:
             return rej.response("openai")
-        state = self.ledger.cancel(run_id, time.time())
+        state = await self.ledger.cancel(run_id, time.time())
         aborted = self.flights.cancel_run(run_id)
         assert state is not None
         return _json({**run_json(state, time.time()), "aborted_in_flight": aborted})
+
+    async def admin_sql(self, request: web.Request) -> web.StreamResponse:
+        """Read-only SQL against the span store: in embedded mode only this process may open the
+        chdb directory, so the CLI's read commands come here while `serve` runs."""
+        try:
+            self.guard.check(request)
+            if self.span_store is None:
+                raise NotFound("no span store: tracing is off in this runcap's configuration")
+            try:
+                body = await request.json(loads=orjson.loads)
+            except ValueError:
+                raise InvalidRequest('body must be JSON: {"sql": "SELECT ...", "params": {...}}') from None
+            sql = body.get("sql") if isinstance(body, dict) else None
+            params = body.get("params") or {} if isinstance(body, dict) else None
+            if not isinstance(sql, str) or not sql.strip():
+                raise InvalidRequest('"sql" must be a non-empty string', param="sql")
+            if not isinstance(params, dict):
+                raise InvalidRequest('"params" must be an object of name → value', param="params")
+        except (InvalidRequest, NotFound, Unauthorized) as rej:
+            return rej.response("openai")
+        loop = asyncio.get_running_loop()
+        try:
+            columns, rows = await loop.run_in_executor(None, self.span_store.query, sql, params)
+        except SpanQueryError as e:
+            return InvalidRequest(f"query failed: {e}", param="sql").response("openai")
+        except (SpanStoreError, SinkError) as e:
+            return _json({"error": {"type": "span_store_unavailable", "message": str(e)}}, 503)
+        return _json({"columns": columns, "rows": rows})

@@ -1,0 +1,189 @@
+"""Ledger latency (SQLite and Redis) and tool-call throughput through runcap versus direct.
+
+1. Ledger operations, in-process, one at a time (the latency a request waits for), N pairs each:
+   reserve + settle (`begin_step` + `settle`) and idempotency begin + complete
+   (`begin_tool_call` + `complete_tool_call`), each on a fresh run — p50/p99 of each operation
+   and of the pair. SQLite: a file in a temporary directory; Redis: a redis-server on loopback
+   started here (no persistence — see README for production settings).
+2. Tool calls, closed loop: a trivial tool service (bench.loadgen's server) called directly and
+   through `runcap serve` (`/tools/echo`, side-effecting, every request a new run and key, so
+   each one is recorded in flight, forwarded and completed), with the SQLite and the Redis ledger.
+
+    .venv/bin/python -m bench.ledger_bench [--ops 5000] [--duration 10] [--concurrency 32] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+import tempfile
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import percentile, run_subprocess
+from bench.proxy_bench import free_port, start
+from proxy.caps import RunCaps
+from proxy.ledger.base import Ledger, Settlement, StepRequest, ToolCallRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ms(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {"p50_ms": round(percentile(s, 50) * 1000, 4), "p99_ms": round(percentile(s, 99) * 1000, 4)}
+
+
+async def bench_ledger(ledger: Ledger, n: int) -> dict[str, Any]:
+    caps = RunCaps(max_usd_nanos=10**9, max_tokens=10**6, max_steps=100, max_tool_calls=100)
+    reserve, settle, pair, begin, complete, pair2 = [], [], [], [], [], []
+    tag = secrets.token_hex(3)
+    for i in range(n + 200):  # the first 200 warm up
+        now = time.time()
+        req = StepRequest(
+            run_id=f"b{tag}-{i}", task="bench", caps=caps, now=now, model="m", input_tokens_bound=500,
+            client_output_limit=256, model_output_bound=4096, min_output_tokens=16,
+            input_usd_per_mtok=Decimal(1), output_usd_per_mtok=Decimal(4),
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        res = await ledger.begin_step(req)
+        t1 = time.perf_counter()
+        await ledger.settle(res, Settlement(input_tokens=400, output_tokens=100, cost_usd_nanos=800_000), now)
+        t2 = time.perf_counter()
+        tc = ToolCallRequest(f"b{tag}-{i}", "bench", caps, now, "echo", f"k{i}", "0" * 64)
+        t3 = time.perf_counter()
+        await ledger.begin_tool_call(tc)
+        t4 = time.perf_counter()
+        await ledger.complete_tool_call(
+            tc.run_id, f"k{i}", 200, {"content-type": "application/json"}, b"{}", now
+        )
+        t5 = time.perf_counter()
+        if i >= 200:
+            reserve.append(t1 - t0)
+            settle.append(t2 - t1)
+            pair.append(t2 - t0)
+            begin.append(t4 - t3)
+            complete.append(t5 - t4)
+            pair2.append(t5 - t3)
+    return {
+        "reserve": _ms(reserve), "settle": _ms(settle), "reserve+settle": _ms(pair),
+        "idem_begin": _ms(begin), "idem_complete": _ms(complete), "idem_begin+complete": _ms(pair2),
+    }  # fmt: skip
+
+
+def _ledger_part(n: int, redis_url: str) -> dict[str, Any]:
+    from proxy.ledger.redis import RedisLedger
+    from proxy.ledger.sqlite import SQLiteLedger
+
+    out = {}
+
+    async def go() -> None:
+        sqlite = SQLiteLedger(Path(tempfile.mkdtemp(prefix="runcap-lbench-")) / "ledger.sqlite3")
+        try:
+            out["sqlite"] = await bench_ledger(sqlite, n)
+        finally:
+            await sqlite.close()
+        redis = RedisLedger(redis_url, prefix=f"bench{secrets.token_hex(3)}:")
+        try:
+            out["redis"] = await bench_ledger(redis, n)
+        finally:
+            await redis.close()
+
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(go())
+    except ImportError:
+        asyncio.run(go())
+    return out
+
+
+def _summary(r: Any) -> dict[str, Any]:
+    return {
+        "rate": round(r.achieved_rate, 1), "ok": r.ok, "errors": r.errors,
+        "p50_ms": round(r.latency_ms.get("p50", float("nan")), 3),
+        "p99_ms": round(r.latency_ms.get("p99", float("nan")), 3),
+    }  # fmt: skip
+
+
+def _tools_part(duration: float, concurrency: int, redis_url: str, tmp: Path) -> list[dict[str, Any]]:
+    tool_port = free_port()
+    procs = [
+        start([sys.executable, "-m", "bench.loadgen", "--serve", f"127.0.0.1:{tool_port}"], tool_port, "tool",
+              tmp / "tool.log")
+    ]  # fmt: skip
+    rows = []
+    body = {"order_id": "A1", "amount": 5}
+    try:
+        direct = f"http://127.0.0.1:{tool_port}/echo"
+        run_subprocess(direct, body, {}, concurrency=8, duration_s=1.0)
+        d = run_subprocess(direct, body, {}, concurrency=concurrency, duration_s=duration)
+        for backend in ("sqlite", "redis"):
+            port = free_port()
+            conf = tmp / f"runcap-{backend}.toml"
+            text = "log_requests = false\ntracing = false\n"
+            if backend == "redis":
+                text += f'redis_url = "{redis_url}"\n'
+            text += f'[tools.echo]\nurl = "http://127.0.0.1:{tool_port}/echo"\nside_effects = true\n'
+            conf.write_text(text)
+            serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(conf), "--listen",
+                     f"127.0.0.1:{port}", "--data-dir", str(tmp / f"data-{backend}")]  # fmt: skip
+            proc = start(serve, port, f"runcap ({backend})", tmp / f"runcap-{backend}.log")
+            try:
+                url = f"http://127.0.0.1:{port}/tools/echo"
+                run_subprocess(url, body, {}, concurrency=8, duration_s=1.0)
+                p = run_subprocess(url, body, {}, concurrency=concurrency, duration_s=duration)
+            finally:
+                proc.terminate()
+                proc.wait(15)
+            row = {
+                "scenario": f"tool calls, closed c={concurrency}, ledger {backend}",
+                "direct": _summary(d), "runcap": _summary(p),
+                "throughput_ratio": round(p.achieved_rate / d.achieved_rate, 3) if d.achieved_rate else None,
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(15)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=5000, help="operation pairs per ledger (default 5000)")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per throughput run (default 10)")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--skip-tools", action="store_true", help="ledger latencies only")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from tests.support.redis_server import RedisServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="runcap-lbench-"))
+    redis = RedisServer().start()
+    try:
+        ledgers = _ledger_part(args.ops, redis.url)
+        for backend, ops in ledgers.items():
+            for op, v in ops.items():
+                print(
+                    f"{backend:<7} {op:<22} p50 {v['p50_ms']:>8.4f} ms   p99 {v['p99_ms']:>8.4f} ms",
+                    flush=True,
+                )
+        tools = [] if args.skip_tools else _tools_part(args.duration, args.concurrency, redis.url, tmp)
+    finally:
+        redis.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ledger": ledgers, "tools": tools}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

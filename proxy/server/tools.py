@@ -1,0 +1,443 @@
+"""`/tools/{name}[/...]`: tool calls through runcap — counted, deadline- and cancel-bound, and
+at-most-once when they have side effects (DESIGN.md "Idempotent tool calls").
+
+One call:
+  1. the ledger, atomically: run live? tool-call cap? the call's idempotency record — replay a
+     completed one, wait for one in flight, refuse (409) an unknown one, or record the intent
+     (`in_flight`) and count the call;
+  2. forward method, sub-path, query and body to the tool, with the run's remaining time as the
+     timeout (min the tool's `timeout_s`) and `X-Run-Id`, `Idempotency-Key`, `X-Run-Deadline`,
+     `X-Run-Remaining-Ms`; registered in `Flights` so a cancel closes the connection;
+  3. record the outcome (status, content-type, body) — or `unknown` when the call was cut after
+     it may have reached the tool (cancel, timeout, reset) — and answer; one `tool` span.
+
+Idempotency key: the caller's `Idempotency-Key` (namespaced by run in the ledger), else
+sha256(canonical_json({"run", "tool", "args", "op"}))[:32] with `args` the JSON body (restricted
+to the tool's `key_fields`) and `op` the `X-Run-Operation-Id`. For any call other than a POST to
+the tool's root without a query, the "tool" field is "METHOD name/sub-path?query", so
+`DELETE /tools/crm/orders/1` and `.../orders/2` are different operations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.caps import RunRequest, parse_run_headers
+from proxy.config import Config, ToolConfig
+from proxy.errors import (
+    DeadlineExceeded,
+    NotFound,
+    PayloadTooLarge,
+    Rejection,
+    RunCancelled,
+    ToolTimeout,
+    UpstreamUnavailable,
+)
+from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
+from proxy.ledger.base import IdempotencyRecord, Ledger, RunState, ToolCallRequest
+from proxy.server.flow import Flights
+from proxy.server.metrics import Metrics
+from proxy.server.ops import iso
+
+log = logging.getLogger("runcap.tools")
+
+SIDE_EFFECT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Response headers worth replaying with a recorded outcome.
+RECORDED_HEADERS = ("content-type",)
+_HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    }
+)  # fmt: skip
+_DROP_REQUEST = _HOP_BY_HOP | {"accept-encoding", "idempotency-key"}
+_DROP_RESPONSE = _HOP_BY_HOP | {"content-encoding"}
+_OUTCOME = {DeadlineExceeded: "deadline_exceeded", RunCancelled: "cancelled", ToolTimeout: "timeout"}
+
+
+@dataclass(slots=True, eq=False)
+class ToolCall:
+    """One `/tools` request, for the span and for `Flights` (a cancel sets `cut_reason`)."""
+
+    tool: str
+    started: float = field(default_factory=time.perf_counter)
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    run: RunRequest | None = None
+    state: RunState | None = None
+    key: str | None = None
+    args_hash: str = ""
+    result_hash: str = ""
+    request_hash: str = ""
+    response_hash: str = ""
+    status: int = 0
+    outcome: str = "ok"
+    error: str = ""
+    cut_reason: str | None = None
+
+
+def has_side_effects(tool: ToolConfig, method: str) -> bool:
+    return tool.side_effects if tool.side_effects is not None else method.upper() in SIDE_EFFECT_METHODS
+
+
+def derive_key(
+    run_id: str, tool: ToolConfig, method: str, tail: str, query: str, body: bytes, operation_id: str | None
+) -> str:
+    ok, parsed = parse_json(body) if body else (True, None)
+    if not ok:
+        key_args: Any = {"raw_sha256": hashlib.sha256(body).hexdigest()}
+    elif tool.key_fields is not None and isinstance(parsed, dict):
+        key_args = {k: parsed[k] for k in tool.key_fields if k in parsed}
+    else:
+        key_args = parsed
+    name = tool.name
+    if method.upper() != "POST" or tail or query:
+        name = f"{method.upper()} {tool.name}/{tail}" + (f"?{query}" if query else "")
+    return idempotency_key(run_id, name, key_args, operation_id)
+
+
+def tool_run_headers(state: RunState, now: float) -> dict[str, str]:
+    headers = {"X-Run-Id": state.run_id}
+    remaining = state.remaining(now)
+    if remaining["tool_calls"] is not None:
+        headers["X-Run-Remaining-Tool-Calls"] = str(remaining["tool_calls"])
+    if remaining["ms"] is not None:
+        headers["X-Run-Remaining-Ms"] = str(int(remaining["ms"]))
+    return headers
+
+
+class ToolGateway:
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        flights: Flights,
+        metrics: Metrics,
+        recorder: Any = None,  # () -> SpanRecorder | None, read per call (wired at start-up)
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.flights = flights
+        self.metrics = metrics
+        self._recorder = recorder or (lambda: None)
+        self.session: aiohttp.ClientSession | None = None
+        # Calls this process executes, by (run, key): duplicates here wake up at once.
+        self._executing: dict[tuple[str, str], asyncio.Event] = {}
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_route("*", "/tools/{name}", self.handle)
+        app.router.add_route("*", "/tools/{name}/{tail:.*}", self.handle)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+
+    async def _start(self, app: web.Application) -> None:
+        # Its own pool: tool services are other hosts than the model providers.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+
+    async def _stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # -- the call -------------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        call = ToolCall(request.match_info["name"])
+        try:
+            return await self._handle(request, call)
+        except Rejection as rej:
+            return self._reject(call, rej)
+        finally:
+            self._record(request, call)
+
+    async def _handle(self, request: web.Request, call: ToolCall) -> web.StreamResponse:
+        tool = self.config.tools.get(call.tool)
+        if tool is None:
+            known = ", ".join(sorted(self.config.tools)) or "none"
+            raise NotFound(
+                f"no tool named {call.tool!r}; configured tools: {known} "
+                f"(add [tools.{call.tool}] to runcap.toml)",
+                param="tool",
+            )
+        run = call.run = parse_run_headers(
+            request.headers, self.config.caps, require_run_id=self.config.require_run_id
+        )
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(
+                f"request body is larger than max_body_bytes = {self.config.max_body_bytes} bytes",
+                param="max_body_bytes",
+            ) from None
+        tail = request.match_info.get("tail", "")
+        call.args_hash = args_hash(body)
+        if has_side_effects(tool, request.method):
+            call.key = run.idempotency_key or derive_key(
+                run.run_id, tool, request.method, tail, request.query_string, body, run.operation_id
+            )
+        req = ToolCallRequest(
+            run.run_id, run.task, run.caps, time.time(), tool.name, call.key, call.args_hash
+        )
+
+        task = asyncio.current_task()
+        assert task is not None
+        self.flights.add(run.run_id, task, call)  # a cancel also ends a wait for a duplicate
+        try:
+            start = await self._begin(req, call)
+            call.state = start.state
+            if start.action == "replay":
+                assert start.record is not None
+                return self._replay(call, start.record, start.state)
+            return await self._execute(request, call, tool, tail, body, start.state)
+        except asyncio.CancelledError:
+            if call.cut_reason != "cancel":
+                raise  # shutting down
+            task.uncancel()
+            raise RunCancelled(
+                f"run {run.run_id} was cancelled while its call to tool {tool.name!r} waited for a "
+                "duplicate in flight; start a new run to continue"
+            ) from None
+        finally:
+            self.flights.remove(run.run_id, task)
+
+    async def _begin(self, req: ToolCallRequest, call: ToolCall):  # type: ignore[no-untyped-def]
+        """Ask the ledger; while a duplicate is in flight (here or on another replica), wait for
+        it — bounded by the run's deadline (the ledger refuses once it has passed)."""
+        delay = 0.005
+        while True:
+            start = await self._timed("tool_begin", self.ledger.begin_tool_call(req))
+            if start.action != "wait":
+                return start
+            deadline = start.state.caps.deadline
+            left = None if deadline is None else max(0.0, deadline - time.time()) + 0.001
+            pause = delay if left is None else min(delay, left)
+            event = self._executing.get((req.run_id, req.key or ""))
+            if event is not None:
+                # Executing here: woken the moment it ends (the ledger is asked again after).
+                try:
+                    await asyncio.wait_for(event.wait(), timeout=0.5 if left is None else min(0.5, left))
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(pause)
+                delay = min(delay * 2, 0.1)
+            req = ToolCallRequest(
+                req.run_id, req.task, req.caps, time.time(), req.tool, req.key, req.args_hash
+            )
+
+    def _replay(self, call: ToolCall, record: IdempotencyRecord, state: RunState) -> web.Response:
+        call.status = record.status or 200
+        call.outcome = "replayed"
+        call.result_hash = result_hash(record.body)
+        self.metrics.tool_replays.labels(call.tool).inc()
+        headers = {**record.headers, **tool_run_headers(state, time.time()), "X-Idempotent-Replay": "true"}
+        if call.key:
+            headers["Idempotency-Key"] = call.key
+        return web.Response(status=call.status, body=record.body, headers=headers)
+
+    async def _execute(
+        self, request: web.Request, call: ToolCall, tool: ToolConfig, tail: str, body: bytes, state: RunState
+    ) -> web.StreamResponse:
+        run = call.run
+        assert run is not None and self.session is not None
+        now = time.time()
+        deadline = state.caps.deadline
+        remaining = None if deadline is None else max(0.0, deadline - now)
+        timeout = remaining
+        if tool.timeout_s is not None and (timeout is None or tool.timeout_s < timeout):
+            timeout = tool.timeout_s
+        by_deadline = remaining is not None and timeout == remaining
+
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in request.headers.items():
+            lower = name.lower()
+            if lower not in _DROP_REQUEST and not lower.startswith("x-run-"):
+                headers.add(name, value)
+        for name, value in tool.headers.items():
+            headers[name] = value
+        headers["X-Run-Id"] = run.run_id
+        if call.key is not None:
+            headers["Idempotency-Key"] = call.key
+        if deadline is not None:
+            headers["X-Run-Deadline"] = iso(deadline) or ""
+            headers["X-Run-Remaining-Ms"] = str(int((remaining or 0.0) * 1000))
+        url = tool.url + (f"/{tail}" if tail else "")
+        if request.query_string:
+            url += f"?{request.query_string}"
+
+        recorder = self._recorder()
+        if recorder is not None and body:
+            call.request_hash = recorder.payload(body)
+        slot = (run.run_id, call.key or "")
+        event = asyncio.Event()
+        if call.key is not None:
+            self._executing[slot] = event
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    upstream = await self.session.request(
+                        request.method, url, headers=headers, data=body, allow_redirects=False
+                    )
+                    data = await upstream.read()
+            except TimeoutError:
+                await self._unknown(call, "deadline" if by_deadline else "tool timeout")
+                if by_deadline:
+                    call.cut_reason = "deadline"
+                    await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                    raise DeadlineExceeded(
+                        f"run {run.run_id} reached its deadline during the call to tool {tool.name!r}; "
+                        "the call was aborted (it may or may not have taken effect). End the run."
+                    ) from None
+                raise ToolTimeout(
+                    f"tool {tool.name!r} did not answer within its timeout_s = {tool.timeout_s:g} s; "
+                    "the call was aborted and may or may not have taken effect"
+                    + (" — a repeat gets 409 until it is reconciled" if call.key else "")
+                ) from None
+            except asyncio.CancelledError:
+                if call.cut_reason != "cancel":
+                    await self._unknown(call, "runcap shut down during the call")
+                    raise
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                await self._unknown(call, "run cancelled during the call")
+                raise RunCancelled(
+                    f"run {run.run_id} was cancelled during the call to tool {tool.name!r}; the call was "
+                    "aborted (it may or may not have taken effect)"
+                ) from None
+            except aiohttp.ClientConnectorError as e:
+                # Never reached the tool: nothing happened, the next attempt may execute.
+                if call.key is not None:
+                    await self.ledger.resolve_tool_call(
+                        run.run_id, call.key, done=False, now=time.time(), force=True
+                    )
+                raise UpstreamUnavailable(f"tool {tool.name!r} ({tool.url}) is unreachable: {e}") from None
+            except (aiohttp.ClientError, OSError) as e:
+                await self._unknown(call, f"connection failed: {type(e).__name__}")
+                raise UpstreamUnavailable(
+                    f"tool {tool.name!r} ({tool.url}) failed during the call: {type(e).__name__}: {e}; "
+                    "it may or may not have taken effect"
+                ) from None
+        finally:
+            if upstream is not None:
+                if upstream.content.at_eof():
+                    upstream.release()
+                else:
+                    upstream.close()  # cut mid-call: drop the connection, the tool sees it
+            if call.key is not None:
+                self._executing.pop(slot, None)
+            event.set()
+
+        # The tool has answered: from here on the call is not cut any more (a cancel now would
+        # only lose the outcome), and recording the outcome must not be interrupted.
+        task = asyncio.current_task()
+        if task is not None:
+            self.flights.remove(run.run_id, task)
+        call.status = upstream.status
+        call.result_hash = result_hash(data)
+        if upstream.status >= 400:
+            call.outcome = "error"
+            call.error = data[:500].decode("utf-8", "replace")
+        if recorder is not None:
+            call.response_hash = recorder.payload(
+                data, is_error=upstream.status >= 400, content_type=upstream.headers.get("content-type", "")
+            )
+        if call.key is not None:
+            recorded = {h: upstream.headers[h] for h in RECORDED_HEADERS if h in upstream.headers}
+            # The answer is the outcome, whatever its status: a repeat replays it.
+            await asyncio.shield(
+                self._timed(
+                    "tool_complete",
+                    self.ledger.complete_tool_call(
+                        run.run_id, call.key, upstream.status, recorded, data, time.time()
+                    ),
+                )
+            )
+            event.set()
+        out: CIMultiDict[str] = CIMultiDict()
+        for name, value in upstream.headers.items():
+            if name.lower() not in _DROP_RESPONSE:
+                out.add(name, value)
+        out.update(tool_run_headers(state, time.time()))
+        if call.key is not None:
+            out["Idempotency-Key"] = call.key
+        return web.Response(status=upstream.status, body=data, headers=out)
+
+    async def _unknown(self, call: ToolCall, reason: str) -> None:
+        if call.key is None or call.run is None:
+            return
+        call.outcome = "unknown"
+        self.metrics.tool_unknown.labels(call.tool).inc()
+        try:
+            await self.ledger.mark_unknown(call.run.run_id, call.key, time.time(), reason)
+        except Exception:
+            # The process's death (or the sweep) turns it unknown anyway.
+            log.exception("could not mark tool call %s of run %s unknown", call.key, call.run.run_id)
+
+    def _reject(self, call: ToolCall, rej: Rejection) -> web.Response:
+        call.status = rej.status
+        if call.outcome != "unknown":
+            call.outcome = next((o for cls, o in _OUTCOME.items() if isinstance(rej, cls)), "error")
+            if rej.type == "run_budget_exceeded":
+                call.outcome = "budget_exceeded"
+            elif rej.type == "idempotency_outcome_unknown":
+                call.outcome = "unknown"
+        call.error = rej.message
+        self.metrics.rejections.labels(rej.code or rej.type).inc()
+        headers = {"X-Run-Id": call.run.run_id} if call.run else {}
+        if call.key:
+            headers["Idempotency-Key"] = call.key
+        return rej.response("openai", headers)
+
+    async def _timed(self, op: str, call: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.metrics.ledger_op(op, time.perf_counter() - t0)
+
+    # -- span and metrics -----------------------------------------------------------------------
+
+    def _record(self, request: web.Request, call: ToolCall) -> None:
+        self.metrics.tool_calls.labels(call.tool, call.outcome).inc()
+        recorder = self._recorder()
+        if recorder is None or call.run is None:
+            return
+        from proxy.spans.model import Span
+
+        try:
+            recorder.span(
+                Span(
+                    run_id=call.run.run_id,
+                    kind="tool",
+                    step=call.state.steps if call.state is not None else 0,
+                    started_at=call.started_at,
+                    duration_ms=(time.perf_counter() - call.started) * 1000.0,
+                    task=call.run.task,
+                    endpoint=request.method,
+                    status_code=call.status,
+                    outcome=call.outcome,
+                    error=call.error,
+                    tool_name=call.tool,
+                    args_hash=call.args_hash,
+                    result_hash=call.result_hash,
+                    idempotency_key=call.key or "",
+                    request_hash=call.request_hash,
+                    response_hash=call.response_hash,
+                    attributes={"tool.path": request.match_info.get("tail", "")},
+                )
+            )
+        except Exception:
+            log.exception("could not record the span of a call to tool %s", call.tool)

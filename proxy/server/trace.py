@@ -1,0 +1,182 @@
+"""The trace step: one span per step event, handed to the recorder after the exchange is over.
+
+For a model call: a `model` span (usage, cost, latency, TTFT, outcome), one `tool_call` span per
+tool call the model requested (with `args_hash`), one `tool_result` span per tool result the
+agent sent back for the first time (with `result_hash`), the run's latest state, and the request
+and response bodies for the payload store. Nothing here runs before the agent has its response.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from proxy.hashing import args_hash, canonical_json, result_hash
+from proxy.ledger.base import RunState
+from proxy.money import NANOS_PER_USD
+from proxy.server.flow import Flow
+from proxy.spans.model import RunSnapshot, Span, new_span_id
+from proxy.spans.recorder import SpanRecorder, sha256_hex
+
+# Per (run, tool call id), this process remembers the tool calls it saw requested (their step and
+# tool name, for the result's span) and the results it recorded (an agent that retries a request
+# resends them): bounded, least recently used first out.
+_MEMORY = 100_000
+
+
+class _Memory(OrderedDict[tuple[str, str], tuple[int, str]]):
+    def remember(self, key: tuple[str, str], value: tuple[int, str]) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > _MEMORY:
+            self.popitem(last=False)
+
+
+def utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def run_snapshot(state: RunState) -> RunSnapshot:
+    caps = state.caps
+    return RunSnapshot(
+        run_id=state.run_id,
+        task=state.task,
+        started_at=utc(state.started_at),
+        updated_at=utc(state.updated_at),
+        status=state.status,
+        steps=state.steps,
+        tool_calls=state.tool_calls,
+        input_tokens=state.input_tokens,
+        output_tokens=state.output_tokens,
+        cost_usd=Decimal(state.spent_usd_nanos) / NANOS_PER_USD,
+        max_usd=None if caps.max_usd_nanos is None else Decimal(caps.max_usd_nanos) / NANOS_PER_USD,
+        max_tokens=caps.max_tokens,
+        max_steps=caps.max_steps,
+        max_tool_calls=caps.max_tool_calls,
+        deadline=None if caps.deadline is None else utc(caps.deadline),
+    )
+
+
+def tool_result_hash(content: Any) -> str:
+    """A result as the agent sent it back: text is hashed like a tool's response body (parsed as
+    JSON when it is JSON), so it matches the `result_hash` of the same result seen on `/tools`."""
+    if isinstance(content, str):
+        return result_hash(content.encode("utf-8", "surrogatepass"))
+    return sha256_hex(canonical_json(content))
+
+
+class TraceStep:
+    def __init__(self, recorder: SpanRecorder) -> None:
+        self.recorder = recorder
+        self._calls = _Memory()  # (run, call id) → (step that requested it, tool name)
+        self._results = _Memory()  # (run, call id) of results already recorded
+
+    async def request(self, flow: Flow) -> None:
+        pass
+
+    async def response(self, flow: Flow) -> None:
+        pass
+
+    async def done(self, flow: Flow) -> None:
+        if flow.adapter is None or flow.run is None:
+            return  # pass-through: traced by metrics and the access log only
+        rec = self.recorder
+        is_error = flow.outcome != "ok"
+        request_hash = rec.payload(flow.sent_body, is_error=is_error) if flow.sent_body else ""
+        response_bytes = flow.response_body if flow.response_body is not None else flow.captured
+        response_hash = rec.payload(bytes(response_bytes), is_error=is_error) if response_bytes else ""
+
+        state = flow.state
+        step = flow.step or (state.steps + 1 if state is not None else 0)
+        info, resp = flow.info, flow.response_info
+        usage = flow.usage
+        started = utc(flow.started_wall)
+        attributes = {"upstream": flow.upstream.name}
+        if flow.clamped_to is not None:
+            attributes["clamped_to"] = str(flow.clamped_to)
+        if flow.final_step:
+            attributes["final_step"] = "true"
+        if flow.run.generated:
+            attributes["generated_run_id"] = "true"
+        model_span = Span(
+            run_id=flow.run.run_id,
+            kind="model",
+            step=step,
+            started_at=started,
+            duration_ms=flow.duration_ms,
+            ttft_ms=flow.ttft_ms,
+            task=flow.run.task or (state.task if state else ""),
+            provider=flow.upstream.name,
+            model=(resp.model if resp and resp.model else "") or (info.model if info else ""),
+            endpoint=flow.endpoint,
+            status_code=flow.status,
+            outcome=flow.outcome,
+            error=flow.error[:2000],
+            input_tokens=usage.input_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
+            cache_read_tokens=usage.cache_read_tokens if usage else 0,
+            cache_write_tokens=usage.cache_write_tokens if usage else 0,
+            reasoning_tokens=usage.reasoning_tokens if usage else 0,
+            cost_usd=Decimal(flow.cost_nanos) / NANOS_PER_USD,
+            price_known=flow.price_known,
+            request_hash=request_hash,
+            response_hash=response_hash,
+            attributes=attributes,
+        )
+        rec.span(model_span)
+
+        if info is not None:
+            # Results the agent sent back are facts even when this call was then refused.
+            for result in info.tool_results:
+                key = (flow.run.run_id, result.tool_call_id)
+                if not result.fresh or key in self._results:
+                    continue
+                self._results.remember(key, (step, ""))
+                # The step that requested the call, when this process saw it requested.
+                call_step, tool_name = self._calls.get(key, (step, ""))
+                rec.span(
+                    Span(
+                        run_id=flow.run.run_id,
+                        kind="tool_result",
+                        step=call_step,
+                        started_at=started,
+                        trace_id=model_span.trace_id,
+                        parent_span_id=model_span.span_id,
+                        task=model_span.task,
+                        provider=model_span.provider,
+                        model=model_span.model,
+                        endpoint=model_span.endpoint,
+                        outcome="error" if result.is_error else "ok",
+                        tool_name=tool_name,
+                        tool_call_id=result.tool_call_id,
+                        result_hash=tool_result_hash(result.content),
+                    )
+                )
+        if resp is not None:
+            ended = started + timedelta(milliseconds=flow.duration_ms)
+            for call in resp.tool_calls:
+                self._calls.remember((flow.run.run_id, call.id), (step, call.name))
+                rec.span(
+                    Span(
+                        run_id=flow.run.run_id,
+                        kind="tool_call",
+                        step=step,
+                        started_at=ended,
+                        trace_id=model_span.trace_id,
+                        span_id=new_span_id(),
+                        parent_span_id=model_span.span_id,
+                        task=model_span.task,
+                        provider=model_span.provider,
+                        model=model_span.model,
+                        endpoint=model_span.endpoint,
+                        status_code=flow.status,
+                        outcome=flow.outcome,
+                        tool_name=call.name,
+                        tool_call_id=call.id,
+                        args_hash=args_hash(call.arguments),
+                    )
+                )
+        if state is not None:
+            rec.run(run_snapshot(state))

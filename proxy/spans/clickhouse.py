@@ -1,0 +1,316 @@
+"""The ClickHouse end of the span pipeline: `ClickHouseSink` writes span and run batches and
+answers read-only SQL (the CLI, `POST /admin/sql`).
+
+One code path, two backends, both through clickhouse-connect:
+
+* a ClickHouse server over HTTP (`RUNCAP_CLICKHOUSE_URL=http(s)://user:pass@host:8123/db`);
+* embedded chdb under `{data_dir}/clickhouse`, through clickhouse-connect's chdb client
+  (`interface="chdb"`, clickhouse-connect >= 1.x), which runs the same insert/query code over an
+  in-process engine.
+
+Rows go in column-oriented, typed Native inserts (no DESCRIBE, no per-row SQL). A retried batch
+never duplicates rows: each insert carries `insert_deduplication_token = <batch_id>:<table>` and
+the tables keep a deduplication window (see migrations/0001_init.sql), so the engine drops a
+batch it has already committed — on chdb and on a server, across restarts.
+
+chdb hosts one engine per process, bound to one directory. Any number of connections to that
+directory may be open in the process (they share the engine); opening a different directory while
+they are open raises, and another process cannot open the directory at all. So the sink is the
+single owner of the embedded store: it holds a writer connection and a read-only connection
+(readonly=2) on the same engine, each behind its own lock, and everything else in the process —
+the CLI in-process, `/admin/sql` — reads through `ClickHouseSink.query`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from datetime import date, datetime
+from decimal import Decimal
+from ipaddress import IPv4Address, IPv6Address
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+from uuid import UUID
+
+import clickhouse_connect
+from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
+
+from proxy.spans.migrate import apply_migrations
+from proxy.spans.model import RunSnapshot, Span
+from proxy.spans.sink import SinkError
+
+# Column names, in `runcap.spans` order, with the ClickHouse types the inserts are encoded as.
+SPAN_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("run_id", "String"),
+    ("trace_id", "String"),
+    ("span_id", "String"),
+    ("parent_span_id", "String"),
+    ("kind", "LowCardinality(String)"),
+    ("step", "UInt32"),
+    ("started_at", "DateTime64(6, 'UTC')"),
+    ("duration_ms", "Float64"),
+    ("ttft_ms", "Nullable(Float64)"),
+    ("task", "LowCardinality(String)"),
+    ("provider", "LowCardinality(String)"),
+    ("model", "LowCardinality(String)"),
+    ("endpoint", "LowCardinality(String)"),
+    ("status_code", "UInt16"),
+    ("outcome", "LowCardinality(String)"),
+    ("error", "String"),
+    ("input_tokens", "UInt64"),
+    ("output_tokens", "UInt64"),
+    ("cache_read_tokens", "UInt64"),
+    ("cache_write_tokens", "UInt64"),
+    ("reasoning_tokens", "UInt64"),
+    ("cost_usd", "Decimal(18, 9)"),
+    ("price_known", "Bool"),
+    ("tool_name", "String"),
+    ("tool_call_id", "String"),
+    ("args_hash", "String"),
+    ("result_hash", "String"),
+    ("idempotency_key", "String"),
+    ("request_hash", "String"),
+    ("response_hash", "String"),
+    ("attributes", "Map(LowCardinality(String), String)"),
+)
+
+RUN_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("run_id", "String"),
+    ("task", "LowCardinality(String)"),
+    ("started_at", "DateTime64(6, 'UTC')"),
+    ("updated_at", "DateTime64(6, 'UTC')"),
+    ("status", "LowCardinality(String)"),
+    ("steps", "UInt32"),
+    ("tool_calls", "UInt32"),
+    ("input_tokens", "UInt64"),
+    ("output_tokens", "UInt64"),
+    ("cost_usd", "Decimal(18, 9)"),
+    ("max_usd", "Nullable(Decimal(18, 9))"),
+    ("max_tokens", "Nullable(UInt64)"),
+    ("max_steps", "Nullable(UInt32)"),
+    ("max_tool_calls", "Nullable(UInt32)"),
+    ("deadline", "Nullable(DateTime64(6, 'UTC'))"),
+)
+
+EMBEDDED_SUBDIR = "clickhouse"
+
+
+class SpanStoreError(Exception):
+    """The span store cannot be opened or used as configured."""
+
+
+class EmbeddedStoreUnavailable(SpanStoreError):
+    """No RUNCAP_CLICKHOUSE_URL and chdb is not installed."""
+
+
+class SpanQueryError(SpanStoreError):
+    """ClickHouse rejected a read query; `code` is ClickHouse's exception code (0 when unknown)."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Table:
+    """One table's typed, column-oriented insert: names, types and how to read each column off
+    the record objects."""
+
+    def __init__(self, database: str, name: str, columns: tuple[tuple[str, str], ...]) -> None:
+        self.name = name
+        self.qualified = f"{_quote_identifier(database)}.{name}"
+        self.column_names = [column for column, _ in columns]
+        self.column_types = [ctype for _, ctype in columns]
+        self._getters = [attrgetter(column) for column in self.column_names]
+
+    def columns(self, records: Sequence[object]) -> list[list[Any]]:
+        return [list(map(getter, records)) for getter in self._getters]
+
+
+class ClickHouseSink:
+    """SpanSink for ClickHouse (server or embedded chdb), plus the read interface of the store.
+
+    `writer` and `reader` are clickhouse-connect clients on the same store; `reader` should be
+    read-only (readonly=2). Build one with `open_span_store`, which also applies migrations.
+    """
+
+    name = "clickhouse"
+
+    def __init__(self, writer: Any, reader: Any, database: str = "runcap", location: str = "") -> None:
+        self.database = database
+        self.location = location  # for messages: the server URL without password, or the directory
+        self._writer = writer
+        self._reader = reader
+        self._write_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._spans = _Table(database, "spans", SPAN_COLUMNS)
+        self._runs = _Table(database, "runs", RUN_COLUMNS)
+        self._closed = False
+        # Deduplication on, whatever the user profile says: `insert_deduplicate` up to ClickHouse
+        # 25.x, `deduplicate_insert` (which supersedes it) where the server has it.
+        self._dedup_settings: dict[str, Any] = {"insert_deduplicate": 1}
+        if "deduplicate_insert" in (getattr(writer, "server_settings", None) or {}):
+            self._dedup_settings["deduplicate_insert"] = "enable"
+
+    def write(self, spans: Sequence[Span], runs: Sequence[RunSnapshot], batch_id: str) -> None:
+        """Insert one batch; writing the same `batch_id` again adds no rows (per-table tokens)."""
+        if not batch_id:
+            raise SinkError("clickhouse: a batch needs a non-empty batch_id (it is the deduplication token)")
+        with self._write_lock:
+            if self._closed:
+                raise SinkError(f"clickhouse sink for {self.location} is closed")
+            try:
+                for table, records in ((self._spans, spans), (self._runs, runs)):
+                    if records:
+                        self._insert(table, records, batch_id)
+            except Exception as ex:
+                raise SinkError(f"clickhouse ({self.location}): batch {batch_id} not written: {ex}") from ex
+
+    def _insert(self, table: _Table, records: Sequence[object], batch_id: str) -> None:
+        self._writer.insert(
+            table.qualified,
+            table.columns(records),
+            column_names=table.column_names,
+            column_type_names=table.column_types,
+            column_oriented=True,
+            settings={
+                # the engine remembers this token in the table's deduplication window and drops a
+                # repeat, also one that follows a commit whose answer was lost
+                "insert_deduplication_token": f"{batch_id}:{table.name}",
+                **self._dedup_settings,
+            },
+        )
+
+    def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], list[list[Any]]]:
+        """Run read-only SQL (`{name:Type}` parameters) and return (column names, rows), with
+        JSON-friendly values: Decimal -> str, datetime/date -> ISO 8601 string, UUID/IP -> str.
+
+        Raises SpanQueryError (with ClickHouse's exception code; 164 READONLY for writes) when
+        ClickHouse rejects the query, SpanStoreError when the store cannot be reached."""
+        sql = sql.strip().rstrip(";").rstrip()
+        with self._read_lock:
+            if self._closed:
+                raise SpanStoreError(f"span store {self.location} is closed")
+            try:
+                result = self._reader.query(sql, parameters=params or None)
+            except OperationalError as ex:
+                if not ex.code:  # transport failure, not an answer from ClickHouse
+                    raise SpanStoreError(f"span store {self.location} unreachable: {ex}") from ex
+                raise SpanQueryError(str(ex), ex.code) from ex
+            except ClickHouseError as ex:
+                raise SpanQueryError(str(ex), getattr(ex, "code", None) or 0) from ex
+            return list(result.column_names), [[_jsonable(v) for v in row] for row in result.result_rows]
+
+    def close(self) -> None:
+        with self._write_lock, self._read_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for client in (self._reader, self._writer):
+                try:
+                    client.close()
+                except Exception:  # closing is best effort; the engine goes with the process
+                    pass
+
+
+def open_span_store(url: str | None, data_dir: str | Path, database: str = "runcap") -> ClickHouseSink:
+    """Open the span store and bring its schema up to date.
+
+    `url` is RUNCAP_CLICKHOUSE_URL (`http(s)://user:pass@host:8123/db`; the path's database wins
+    over `database`); None means embedded chdb under `{data_dir}/clickhouse`.
+    """
+    if url:
+        return _open_server(url, database)
+    return _open_embedded(Path(data_dir) / EMBEDDED_SUBDIR, database)
+
+
+def _open_server(url: str, database: str) -> ClickHouseSink:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SpanStoreError(
+            f"RUNCAP_CLICKHOUSE_URL must look like http(s)://user:pass@host:8123/db, got {_redact(url)!r}"
+        )
+    database = unquote(parts.path.strip("/").split("/")[0]) or database
+    common = {
+        "host": parts.hostname,
+        "port": parts.port or (8443 if parts.scheme == "https" else 8123),
+        "username": unquote(parts.username or "default"),
+        "password": unquote(parts.password or ""),
+        "interface": parts.scheme,
+        # one client is shared by the pipeline thread and request handlers: no HTTP session state
+        "autogenerate_session_id": False,
+    }
+    location = _redact(url)
+    try:
+        # The database may not exist yet, so connect without it and qualify every table name.
+        writer = clickhouse_connect.get_client(**common)
+        apply_migrations(writer, database)
+        reader = clickhouse_connect.get_client(
+            **common, database=database, settings={"readonly": 2}, tz_mode="aware"
+        )
+    except Exception as ex:
+        raise SpanStoreError(
+            f"cannot open the ClickHouse span store at {location} (RUNCAP_CLICKHOUSE_URL): {ex}"
+        ) from ex
+    return ClickHouseSink(writer, reader, database, location)
+
+
+def _open_embedded(path: Path, database: str) -> ClickHouseSink:
+    try:
+        import chdb  # noqa: F401
+    except ImportError:
+        raise EmbeddedStoreUnavailable(
+            "the embedded span store needs chdb: install the runcap[embedded] extra "
+            "(pip install 'runcap[embedded]'), or set RUNCAP_CLICKHOUSE_URL to a ClickHouse server"
+        ) from None
+    path.mkdir(parents=True, exist_ok=True)
+    location = str(path)
+    writer = None
+    try:
+        writer = clickhouse_connect.get_client(interface="chdb", path=str(path))
+        apply_migrations(writer, database)
+        # A second handle on the same engine, read-only for the whole session: a SETTINGS clause
+        # per query would not do, since clickhouse-connect applies some statements' settings to
+        # the chdb session with SET, and readonly cannot be unset again.
+        reader = clickhouse_connect.get_client(
+            interface="chdb", path=str(path), database=database, chdb_options={"readonly": 2}, tz_mode="aware"
+        )
+    except Exception as ex:
+        if writer is not None:
+            writer.close()
+        raise SpanStoreError(
+            f"cannot open the embedded span store in {location}: {ex} (chdb lets one process open a data "
+            "directory: if `runcap serve` runs on it, read through its /admin/sql instead)"
+        ) from ex
+    return ClickHouseSink(writer, reader, database, location)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Decimal):
+        return format(value, "f")  # fixed point: "0.000000000", never "0E-9"
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, (UUID, IPv4Address, IPv6Address)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, dict):
+        return {str(_jsonable(k)): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _quote_identifier(name: str) -> str:
+    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        parts = parts._replace(netloc=netloc)
+    return parts.geturl()

@@ -1,0 +1,113 @@
+"""The records the request path produces: one `Span` per step event, one `RunSnapshot` per run
+state change, and `Payload` bodies. Field names are the `runcap.spans` / `runcap.runs` column
+names fixed in DESIGN.md; the pipeline ships these objects unchanged to every sink.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+
+SPAN_KINDS = ("model", "tool", "tool_call", "tool_result")
+OUTCOMES = (
+    "ok",
+    "error",
+    "timeout",
+    "cancelled",
+    "budget_exceeded",
+    "deadline_exceeded",
+    "replayed",
+    "unknown",
+)
+RUN_STATUSES = (
+    "active",
+    "completed",
+    "budget_exceeded",
+    "deadline_exceeded",
+    "steps_exceeded",
+    "tool_calls_exceeded",
+    "cancelled",
+)
+
+
+def new_span_id() -> str:
+    return secrets.token_hex(8)
+
+
+def trace_id_for_run(run_id: str) -> str:
+    """One OpenTelemetry trace per run: the trace id is derived from the run id, so every replica
+    (and every restart) puts the run's spans in the same trace without coordination."""
+    import hashlib
+
+    return hashlib.sha256(b"runcap-trace:" + run_id.encode()).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class Span:
+    run_id: str
+    kind: str  # one of SPAN_KINDS
+    step: int
+    started_at: datetime  # timezone-aware UTC
+    trace_id: str = ""
+    span_id: str = field(default_factory=new_span_id)
+    parent_span_id: str = ""
+    duration_ms: float = 0.0
+    ttft_ms: float | None = None
+    task: str = ""
+    provider: str = ""
+    model: str = ""
+    endpoint: str = ""
+    status_code: int = 0
+    outcome: str = "ok"  # one of OUTCOMES
+    error: str = ""
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost_usd: Decimal = Decimal(0)
+    price_known: bool = True
+    tool_name: str = ""
+    tool_call_id: str = ""
+    args_hash: str = ""
+    result_hash: str = ""
+    idempotency_key: str = ""
+    request_hash: str = ""
+    response_hash: str = ""
+    attributes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.trace_id:
+            self.trace_id = trace_id_for_run(self.run_id)
+
+
+@dataclass(slots=True)
+class RunSnapshot:
+    """Latest state of a run, written on every step (queries take argMax by updated_at)."""
+
+    run_id: str
+    task: str
+    started_at: datetime
+    updated_at: datetime
+    status: str  # one of RUN_STATUSES
+    steps: int
+    tool_calls: int
+    input_tokens: int
+    output_tokens: int
+    cost_usd: Decimal
+    max_usd: Decimal | None
+    max_tokens: int | None
+    max_steps: int | None
+    max_tool_calls: int | None
+    deadline: datetime | None
+
+
+@dataclass(slots=True)
+class Payload:
+    """A body to keep in the payload store under sha256(data)."""
+
+    sha256: str
+    data: bytes
+    content_type: str = ""

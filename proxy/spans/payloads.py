@@ -1,0 +1,308 @@
+"""The payload store: request and response bodies, content-addressed by sha256.
+
+Key layout (DESIGN.md "Payload store"): `{prefix}sha256/{hash[0:2]}/{hash}` — in an S3 bucket
+(`S3PayloadStore`, production) or under a directory (`LocalPayloadStore`, embedded). Bodies may
+be stored gzip-compressed (stdlib, deterministic with mtime=0, readable with `gunzip`); the
+encoding is recorded beside the object — S3 object metadata, or a `{hash}.meta` sidecar file —
+never in the key. `get` returns the exact original bytes and checks them against the hash.
+
+The pipeline's payload lane calls `put` from its own thread; a failing `put` raises and the
+pipeline spools the payload and retries. `PayloadPolicy` is what the request path asks before
+submitting a body at all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from proxy.spans.model import Payload
+from proxy.spans.sink import PayloadStore, SinkError
+
+PAYLOAD_MODES = ("off", "errors", "all")
+IDENTITY = "identity"
+GZIP = "gzip"
+META_ENCODING = "runcap-encoding"  # S3 user metadata keys (sent as x-amz-meta-...)
+META_SIZE = "runcap-size"
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadPolicy:
+    """Which bodies to keep: `off`, only those of failed steps (`errors`), or `all`; and none
+    larger than `max_bytes` (None: no limit)."""
+
+    mode: str = "all"
+    max_bytes: int | None = 10 << 20
+
+    def __post_init__(self) -> None:
+        if self.mode not in PAYLOAD_MODES:
+            raise ValueError(f"payload mode must be one of {', '.join(PAYLOAD_MODES)} (got {self.mode!r})")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"payload max_bytes must be >= 0 (got {self.max_bytes})")
+
+    def keep(self, is_error: bool, size: int) -> bool:
+        if self.mode == "off" or (self.mode == "errors" and not is_error):
+            return False
+        return self.max_bytes is None or size <= self.max_bytes
+
+
+def payload_key(sha256: str, prefix: str = "") -> str:
+    """`{prefix}sha256/{hash[0:2]}/{hash}`; the hash must be 64 lowercase hex characters."""
+    if not _HASH.fullmatch(sha256):
+        raise ValueError(f"not a sha256 hex digest: {sha256[:80]!r}")
+    return f"{prefix}sha256/{sha256[:2]}/{sha256}"
+
+
+def _checked_hash(payload: Payload) -> str:
+    actual = hashlib.sha256(payload.data).hexdigest()
+    if payload.sha256 != actual:
+        # storing it under the claimed key would break content addressing for good
+        raise ValueError(f"payload claims sha256 {payload.sha256[:16]}… but its bytes hash to {actual[:16]}…")
+    return actual
+
+
+def _encode(data: bytes, compress: bool, min_bytes: int) -> tuple[bytes, str]:
+    if compress and len(data) >= min_bytes:
+        packed = gzip.compress(data, compresslevel=6, mtime=0)
+        if len(packed) <= len(data) * 0.9:  # not worth a decode step for less than 10%
+            return packed, GZIP
+    return data, IDENTITY
+
+
+def _decode(stored: bytes, encoding: str, sha256: str) -> bytes:
+    if encoding == GZIP:
+        data = gzip.decompress(stored)
+    elif encoding == IDENTITY:
+        data = stored
+    else:
+        raise ValueError(f"payload {sha256} has unknown encoding {encoding!r}")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"payload {sha256} is damaged: its bytes no longer match the hash")
+    return data
+
+
+class LocalPayloadStore:
+    """Payloads under a directory (embedded mode). Writes go to a temp file that is fsync'd and
+    renamed into place, data last, so a file at the key is always complete."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        prefix: str = "",
+        compress: bool = True,
+        min_compress_bytes: int = 1024,
+        fsync: bool = True,
+    ) -> None:
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self._compress = compress
+        self._min_compress_bytes = min_compress_bytes
+        self._fsync = fsync
+
+    def path(self, sha256: str) -> Path:
+        return self.directory / payload_key(sha256, self.prefix)
+
+    def put(self, payload: Payload) -> None:
+        sha256 = _checked_hash(payload)
+        path = self.path(sha256)
+        if path.exists():  # same hash, same bytes: nothing to do
+            return
+        stored, encoding = _encode(payload.data, self._compress, self._min_compress_bytes)
+        meta = {"encoding": encoding, "size": len(payload.data), "content_type": payload.content_type}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # sidecar first: whoever sees the data file also finds its encoding
+        self._write_atomic(_meta_path(path), orjson.dumps(meta))
+        self._write_atomic(path, stored)
+
+    def get(self, sha256: str) -> bytes:
+        path = self.path(sha256)
+        try:
+            stored = path.read_bytes()
+        except FileNotFoundError:
+            raise KeyError(sha256) from None
+        try:
+            encoding = orjson.loads(_meta_path(path).read_bytes())["encoding"]
+        except FileNotFoundError:
+            encoding = IDENTITY  # written by hand or by a tool that does not compress
+        return _decode(stored, encoding, sha256)
+
+    def encoding(self, sha256: str) -> str:
+        """How the object is stored (`identity` or `gzip`)."""
+        try:
+            return str(orjson.loads(_meta_path(self.path(sha256)).read_bytes())["encoding"])
+        except FileNotFoundError:
+            raise KeyError(sha256) from None
+
+    def _write_atomic(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                if self._fsync:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def close(self) -> None:
+        pass
+
+
+def _meta_path(path: Path) -> Path:
+    return path.with_name(path.name + ".meta")
+
+
+class S3PayloadStore:
+    """Payloads in S3 or an S3-compatible store (MinIO, moto) via boto3.
+
+    Credentials, region and endpoint come from boto3's normal configuration (`AWS_ENDPOINT_URL`,
+    `AWS_ACCESS_KEY_ID`, profiles, instance roles...) unless passed here.
+
+    Idempotence: a PUT of the same key always carries the same bytes, so a repeat is harmless and
+    a plain PUT is one request where HEAD-then-PUT would be two for every new body (the common
+    case: each step's request differs). Only bodies of at least `head_threshold_bytes` are checked
+    with HEAD first, where skipping a re-upload is worth the extra round trip; a small in-process
+    memory of recently stored hashes skips repeats without any request.
+    """
+
+    name = "s3"
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        *,
+        compress: bool = True,
+        min_compress_bytes: int = 1024,
+        head_threshold_bytes: int = 1 << 20,
+        region_name: str | None = None,
+        max_attempts: int = 3,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        addressing_style: str = "auto",
+        client: Any = None,
+    ) -> None:
+        import boto3
+        from botocore.config import Config
+
+        if not bucket:
+            raise ValueError("S3 payload store needs a bucket name")
+        self.bucket = bucket
+        self.prefix = prefix
+        self._compress = compress
+        self._min_compress_bytes = min_compress_bytes
+        self._head_threshold = head_threshold_bytes
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._recent_max = 4096
+        self._client = client or boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region_name,
+            config=Config(
+                retries={"max_attempts": max_attempts, "mode": "standard"},
+                connect_timeout=connect_timeout_s,
+                read_timeout=read_timeout_s,
+                s3={"addressing_style": addressing_style},
+            ),
+        )
+
+    def key(self, sha256: str) -> str:
+        return payload_key(sha256, self.prefix)
+
+    def put(self, payload: Payload) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        sha256 = _checked_hash(payload)
+        if sha256 in self._recent:
+            return
+        key = self.key(sha256)
+        try:
+            if len(payload.data) >= self._head_threshold and self._exists(key):
+                self._remember(sha256)
+                return
+            stored, encoding = _encode(payload.data, self._compress, self._min_compress_bytes)
+            extra: dict[str, Any] = {"ContentEncoding": GZIP} if encoding == GZIP else {}
+            self._client.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=stored,
+                ContentType=payload.content_type or "application/octet-stream",
+                Metadata={META_ENCODING: encoding, META_SIZE: str(len(payload.data))},
+                **extra,
+            )
+        except (BotoCoreError, ClientError) as exc:
+            raise SinkError(f"S3 payload store s3://{self.bucket}/{key}: {exc}") from exc
+        self._remember(sha256)
+
+    def get(self, sha256: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        key = self.key(sha256)
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                raise KeyError(sha256) from None
+            raise
+        stored = resp["Body"].read()
+        return _decode(stored, resp.get("Metadata", {}).get(META_ENCODING, IDENTITY), sha256)
+
+    def encoding(self, sha256: str) -> str:
+        """How the object is stored (`identity` or `gzip`), from its metadata."""
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self.key(sha256))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                raise KeyError(sha256) from None
+            raise
+        return str(head.get("Metadata", {}).get(META_ENCODING, IDENTITY))
+
+    def _exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
+    def _remember(self, sha256: str) -> None:
+        self._recent[sha256] = None
+        if len(self._recent) > self._recent_max:
+            self._recent.popitem(last=False)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_payload_store(s3_url: str | None, data_dir: Path, **options: Any) -> PayloadStore:
+    """`RUNCAP_S3_URL` (`s3://bucket/prefix`) → S3; absent → `{data_dir}/payloads`."""
+    if not s3_url:
+        return LocalPayloadStore(Path(data_dir) / "payloads", **options)
+    parts = urlsplit(s3_url)
+    if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"RUNCAP_S3_URL must look like s3://bucket/prefix (got {s3_url!r})")
+    prefix = parts.path.lstrip("/")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    return S3PayloadStore(parts.netloc, prefix, **options)

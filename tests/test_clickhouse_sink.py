@@ -1,0 +1,300 @@
+"""ClickHouseSink against embedded chdb and against a ClickHouse HTTP endpoint (the chdb-backed
+fixture server, through clickhouse-connect's HTTP client): schema, round trip, read-only queries,
+and no duplicate rows when a batch is written again — also after a restart or a lost answer."""
+
+from __future__ import annotations
+
+import sys
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from proxy.spans.clickhouse import (
+    EmbeddedStoreUnavailable,
+    SpanQueryError,
+    SpanStoreError,
+    open_span_store,
+)
+from proxy.spans.migrate import apply_migrations
+from proxy.spans.model import RunSnapshot, Span
+from proxy.spans.sink import SinkError
+from tests.support.clickhouse_http import ClickHouseHTTPServer
+
+T0 = datetime(2026, 3, 31, 23, 59, 59, 123456, tzinfo=UTC)  # batches straddle a month: 2 partitions
+
+# DESIGN.md, "Span store": the column contract of runcap.spans.
+SPAN_CONTRACT = [
+    ("run_id", "String"),
+    ("trace_id", "String"),
+    ("span_id", "String"),
+    ("parent_span_id", "String"),
+    ("kind", "LowCardinality(String)"),
+    ("step", "UInt32"),
+    ("started_at", "DateTime64(6, 'UTC')"),
+    ("duration_ms", "Float64"),
+    ("ttft_ms", "Nullable(Float64)"),
+    ("task", "LowCardinality(String)"),
+    ("provider", "LowCardinality(String)"),
+    ("model", "LowCardinality(String)"),
+    ("endpoint", "LowCardinality(String)"),
+    ("status_code", "UInt16"),
+    ("outcome", "LowCardinality(String)"),
+    ("error", "String"),
+    ("input_tokens", "UInt64"),
+    ("output_tokens", "UInt64"),
+    ("cache_read_tokens", "UInt64"),
+    ("cache_write_tokens", "UInt64"),
+    ("reasoning_tokens", "UInt64"),
+    ("cost_usd", "Decimal(18, 9)"),
+    ("price_known", "Bool"),
+    ("tool_name", "String"),
+    ("tool_call_id", "String"),
+    ("args_hash", "String"),
+    ("result_hash", "String"),
+    ("idempotency_key", "String"),
+    ("request_hash", "String"),
+    ("response_hash", "String"),
+    ("attributes", "Map(LowCardinality(String), String)"),
+]
+RUN_COLUMNS = [
+    "run_id", "task", "started_at", "updated_at", "status", "steps", "tool_calls", "input_tokens",
+    "output_tokens", "cost_usd", "max_usd", "max_tokens", "max_steps", "max_tool_calls", "deadline",
+]  # fmt: skip
+
+
+class Store:
+    """One backend under test: how to open the sink, restart the store, and count rows."""
+
+    def __init__(self, kind: str, tmp_path) -> None:
+        self.kind = kind
+        self.tmp_path = tmp_path
+        self.server = ClickHouseHTTPServer(tmp_path / "server") if kind == "http" else None
+        self.url = self.server.start() if self.server else None
+        self.sink = self.open()
+
+    def open(self):
+        return open_span_store(self.url, self.tmp_path / "data")
+
+    def restart(self) -> None:
+        """A new engine session on the same data: chdb reopened, or the server restarted."""
+        if self.server is not None:
+            self.server.stop()
+            self.server.start()
+        else:
+            self.sink.close()
+            self.sink = self.open()
+
+    def count(self, sql: str) -> int:
+        return int(self.sink.query(sql, None)[1][0][0])
+
+    def close(self) -> None:
+        self.sink.close()
+        if self.server is not None:
+            self.server.stop()
+
+
+@pytest.fixture(params=["chdb", "http"])
+def store(request, tmp_path):
+    store = Store(request.param, tmp_path)
+    yield store
+    store.close()
+
+
+def make_batch(n: int, run: str = "run-a", offset: int = 0) -> tuple[list[Span], list[RunSnapshot]]:
+    spans = [
+        Span(
+            run_id=run,
+            kind="model" if i % 2 == 0 else "tool",
+            step=i // 2 + 1,
+            started_at=T0 + timedelta(milliseconds=i),
+            duration_ms=12.5,
+            ttft_ms=3.25 if i % 2 == 0 else None,
+            task="refunds",
+            provider="openai",
+            model="gpt-4o-mini",
+            endpoint="chat/completions",
+            status_code=200,
+            input_tokens=1000 + i,
+            output_tokens=20,
+            cost_usd=Decimal("0.001250000"),
+            price_known=i % 3 != 0,
+            tool_name="refund" if i % 2 else "",
+            args_hash=f"{i % 4:064x}",
+            attributes={"i": str(i + offset)},
+        )
+        for i in range(n)
+    ]
+    runs = [
+        RunSnapshot(
+            run_id=run,
+            task="refunds",
+            started_at=T0,
+            updated_at=T0 + timedelta(seconds=offset + 1),
+            status="active",
+            steps=n // 2,
+            tool_calls=n // 2,
+            input_tokens=1000 * n,
+            output_tokens=20 * n,
+            cost_usd=Decimal("0.00125") * n,
+            max_usd=Decimal("5"),
+            max_tokens=None,
+            max_steps=50,
+            max_tool_calls=None,
+            deadline=T0 + timedelta(minutes=10),
+        )
+    ]
+    return spans, runs
+
+
+def test_schema_matches_the_contract_and_migrations_are_idempotent(store):
+    _, rows = store.sink.query(
+        "SELECT table, name, type FROM system.columns WHERE database = {db:String} ORDER BY table, position",
+        {"db": "runcap"},
+    )
+    spans = [(name, ctype) for table, name, ctype in rows if table == "spans"]
+    runs = [name for table, name, _ in rows if table == "runs"]
+    assert spans == SPAN_CONTRACT
+    assert runs == RUN_COLUMNS
+    assert store.sink.query("SELECT DISTINCT version FROM runcap.schema_migrations", None)[1] == [[1]]
+    # A second start-up finds nothing to do and records nothing twice.
+    store.sink.close()
+    store.sink = store.open()
+    assert apply_migrations(store.sink._writer, "runcap") == []
+    assert store.count("SELECT count() FROM runcap.schema_migrations") == 1
+
+
+def test_round_trip_with_json_friendly_values(store):
+    spans, runs = make_batch(4)
+    store.sink.write(spans, runs, "batch-1")
+    columns, rows = store.sink.query(
+        "SELECT span_id, started_at, cost_usd, ttft_ms, price_known, attributes, input_tokens "
+        "FROM runcap.spans WHERE run_id = {run:String} AND step = {step:UInt32} ORDER BY started_at",
+        {"run": "run-a", "step": 1},
+    )
+    assert columns == [
+        "span_id",
+        "started_at",
+        "cost_usd",
+        "ttft_ms",
+        "price_known",
+        "attributes",
+        "input_tokens",
+    ]
+    assert rows == [
+        [spans[0].span_id, "2026-03-31T23:59:59.123456+00:00", "0.001250000", 3.25, False, {"i": "0"}, 1000],
+        [spans[1].span_id, "2026-03-31T23:59:59.124456+00:00", "0.001250000", None, True, {"i": "1"}, 1001],
+    ]
+    _, run_rows = store.sink.query("SELECT max_usd, max_tokens, deadline FROM runcap.runs", None)
+    assert run_rows == [["5.000000000", None, "2026-04-01T00:09:59.123456+00:00"]]
+
+
+def test_same_batch_twice_adds_no_rows(store):
+    spans, runs = make_batch(1500)
+    store.sink.write(spans, runs, "batch-1")
+    store.sink.write(spans, runs, "batch-1")  # the pipeline's retry of a batch that did land
+    assert store.count("SELECT count() FROM runcap.spans") == 1500
+    assert store.count("SELECT count() FROM runcap.runs") == 1
+
+    # A retry after the store restarted (a new chdb session on the same directory, or a server
+    # restart) is still recognised: the deduplication window lives with the table's data.
+    store.restart()
+    store.sink.write(spans, runs, "batch-1")
+    assert store.count("SELECT count() FROM runcap.spans") == 1500
+    assert store.count("SELECT count() FROM runcap.runs") == 1
+
+    # Another batch is new data, even with identical rows: the token, not the content, decides.
+    store.sink.write(spans[:10], runs, "batch-2")
+    assert store.count("SELECT count() FROM runcap.spans") == 1510
+    assert store.count("SELECT count() FROM runcap.runs") == 2
+
+
+def test_latest_run_state_is_read_with_argmax(store):
+    for version in range(3):
+        spans, runs = make_batch(2 * (version + 1), offset=version)
+        runs[0].status = "completed" if version == 2 else "active"
+        store.sink.write(spans[-2:], runs, f"batch-{version}")
+    _, rows = store.sink.query(
+        "SELECT run_id, argMax(status, updated_at), argMax(steps, updated_at), count() "
+        "FROM runcap.runs GROUP BY run_id",
+        None,
+    )
+    assert rows[0][:3] == ["run-a", "completed", 3]
+
+
+def test_query_is_read_only_and_reports_clickhouse_errors(store):
+    spans, runs = make_batch(2)
+    store.sink.write(spans, runs, "batch-1")
+    for sql in (
+        "INSERT INTO runcap.spans (run_id) VALUES ('x')",
+        "DROP TABLE runcap.spans",
+        "ALTER TABLE runcap.spans DELETE WHERE 1",
+    ):
+        with pytest.raises(SpanQueryError) as info:
+            store.sink.query(sql, None)
+        assert info.value.code == 164  # READONLY
+    with pytest.raises(SpanQueryError) as info:
+        store.sink.query("SELECT no_such_column FROM runcap.spans", None)
+    assert info.value.code == 47  # UNKNOWN_IDENTIFIER
+    # the read connection still works after errors, and writes were untouched
+    assert store.count("SELECT count() FROM runcap.spans;") == 2
+    store.sink.write(*make_batch(2, run="run-b"), "batch-2")
+    assert store.count("SELECT count() FROM runcap.spans") == 4
+
+
+def test_server_lost_answer_then_retry_lands_once(tmp_path):
+    """The insert commits but its answer never arrives (twice: clickhouse-connect resends once on
+    a cut connection). The sink reports failure; the pipeline's retry adds nothing."""
+    store = Store("http", tmp_path)
+    try:
+        spans, runs = make_batch(1000)
+        store.server.drop_responses_after_commit(2)
+        with pytest.raises(SinkError, match="batch-1"):
+            store.sink.write(spans, runs, "batch-1")
+        assert store.server.query("SELECT count() FROM runcap.spans") == [(1000,)]
+        sent = [
+            r for r in store.server.requests if r.get("query", "").startswith("INSERT INTO `runcap`.spans")
+        ]
+        assert [r["status"] for r in sent] == ["dropped", "dropped"]
+        assert sent[0]["params"]["insert_deduplication_token"] == "batch-1:spans"
+
+        store.sink.write(spans, runs, "batch-1")
+        assert store.server.query("SELECT count() FROM runcap.spans") == [(1000,)]
+        assert store.server.query("SELECT count() FROM runcap.runs") == [(1,)]
+    finally:
+        store.close()
+
+
+def test_server_down_is_a_sink_error_and_recovers(tmp_path):
+    store = Store("http", tmp_path)
+    try:
+        spans, runs = make_batch(10)
+        store.server.set_down(True)
+        with pytest.raises(SinkError, match="clickhouse"):
+            store.sink.write(spans, runs, "batch-1")
+        with pytest.raises(SpanStoreError, match="unreachable") as info:
+            store.sink.query("SELECT 1", None)
+        assert not isinstance(info.value, SpanQueryError)
+        store.server.set_down(False)
+        store.sink.write(spans, runs, "batch-1")
+        assert store.count("SELECT count() FROM runcap.spans") == 10
+    finally:
+        store.close()
+
+
+def test_custom_database_name(tmp_path):
+    sink = open_span_store(None, tmp_path, database="runcap_test")
+    try:
+        sink.write(*make_batch(3), "batch-1")
+        assert sink.query("SELECT count() FROM spans", None)[1] == [[3]]  # reader's default database
+        assert sink.query("SELECT count() FROM runcap_test.runs", None)[1] == [[1]]
+    finally:
+        sink.close()
+
+
+def test_embedded_without_chdb_names_the_extra_and_the_setting(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "chdb", None)  # as if chdb were not installed
+    with pytest.raises(EmbeddedStoreUnavailable) as info:
+        open_span_store(None, tmp_path)
+    assert "runcap[embedded]" in str(info.value)
+    assert "RUNCAP_CLICKHOUSE_URL" in str(info.value)

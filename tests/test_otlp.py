@@ -1,0 +1,215 @@
+"""OTLP export against a real OTLP/HTTP receiver decoding the protobuf: GenAI span names and
+attributes, runcap's own attributes, ids and times identical to the Span (so the trace matches
+ClickHouse), and an unreachable collector handled by the pipeline's spool."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
+from opentelemetry.proto.trace.v1.trace_pb2 import Status as PbStatus
+
+from proxy.spans.model import RunSnapshot, Span
+from proxy.spans.otlp import OTLPSink, operation_for, to_unix_nanos, traces_endpoint
+from proxy.spans.pipeline import SpanPipeline
+from proxy.spans.sink import SinkError
+from tests.support.otlp_receiver import OTLPReceiver
+
+T0 = datetime(2026, 11, 29, 17, 0, 0, 123456, tzinfo=UTC)
+
+
+@pytest.fixture
+def receiver() -> Iterator[OTLPReceiver]:
+    r = OTLPReceiver().start()
+    yield r
+    r.stop()
+
+
+def model_span(**kw: object) -> Span:
+    fields: dict[str, object] = dict(
+        run_id="run-42",
+        kind="model",
+        step=1,
+        started_at=T0,
+        duration_ms=1234.567891,
+        ttft_ms=88.5,
+        task="triage",
+        provider="openai",
+        model="gpt-4o-mini",
+        endpoint="chat.completions",
+        status_code=200,
+        input_tokens=1200,
+        output_tokens=80,
+        cache_read_tokens=1024,
+        cost_usd=Decimal("0.000228000"),
+        request_hash="a" * 64,
+        attributes={"finish_reason": "tool_calls"},
+    )
+    fields.update(kw)
+    return Span(**fields)  # type: ignore[arg-type]
+
+
+def test_spans_export_with_genai_names_attributes_ids_and_times(receiver: OTLPReceiver) -> None:
+    chat = model_span()
+    embed = model_span(endpoint="embeddings", model="text-embedding-3-small", step=2, output_tokens=0)
+    tool = Span(
+        run_id="run-42",
+        kind="tool",
+        step=1,
+        started_at=T0 + timedelta(seconds=2),
+        parent_span_id=chat.span_id,
+        duration_ms=50.0,
+        status_code=504,
+        outcome="timeout",
+        error="refund service timed out after 30s",
+        tool_name="refund",
+        tool_call_id="call_abc",
+        args_hash="b" * 64,
+        result_hash="",
+        idempotency_key="0123456789abcdef0123456789abcdef",
+    )
+    requested = Span(
+        run_id="run-42",
+        kind="tool_call",
+        step=1,
+        started_at=T0,
+        parent_span_id=chat.span_id,
+        tool_name="refund",
+        tool_call_id="call_abc",
+    )
+    sink = OTLPSink(receiver.endpoint, timeout_s=2)
+    sink.write([chat, embed, tool, requested], [], "batch-1")
+    got = {s.span_id: s for s in receiver.wait_for(4)}
+    sink.close()
+
+    c = got[chat.span_id]
+    assert c.name == "chat gpt-4o-mini" and c.kind == PbSpan.SPAN_KIND_CLIENT
+    assert c.trace_id == chat.trace_id and c.parent_span_id == ""
+    assert c.start_time_unix_nano == 1795971600123456000  # 2026-11-29T17:00:00.123456Z, exact
+    assert c.end_time_unix_nano - c.start_time_unix_nano == 1_234_567_891
+    assert c.status_code == PbStatus.STATUS_CODE_UNSET
+    assert c.resource["service.name"] == "runcap" and c.scope == "runcap"
+    assert c.attributes == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "openai",
+        "gen_ai.system": "openai",
+        "gen_ai.request.model": "gpt-4o-mini",
+        "gen_ai.response.model": "gpt-4o-mini",
+        "gen_ai.usage.input_tokens": 1200,
+        "gen_ai.usage.output_tokens": 80,
+        "gen_ai.usage.cache_read.input_tokens": 1024,
+        "gen_ai.conversation.id": "run-42",
+        "http.response.status_code": 200,
+        "runcap.run_id": "run-42",
+        "runcap.step": 1,
+        "runcap.kind": "model",
+        "runcap.outcome": "ok",
+        "runcap.cost_usd": "0.000228000",
+        "runcap.price_known": True,
+        "runcap.task": "triage",
+        "runcap.endpoint": "chat.completions",
+        "runcap.request_hash": "a" * 64,
+        "runcap.ttft_ms": "88.5",
+        "runcap.attr.finish_reason": "tool_calls",
+    }
+
+    e = got[embed.span_id]
+    assert e.name == "embeddings text-embedding-3-small"
+    assert e.attributes["gen_ai.operation.name"] == "embeddings"
+
+    t = got[tool.span_id]
+    assert t.name == "execute_tool refund" and t.kind == PbSpan.SPAN_KIND_INTERNAL
+    assert t.trace_id == chat.trace_id and t.parent_span_id == chat.span_id
+    assert t.status_code == PbStatus.STATUS_CODE_ERROR
+    assert t.status_message == "refund service timed out after 30s"
+    assert t.attributes["gen_ai.operation.name"] == "execute_tool"
+    assert t.attributes["gen_ai.tool.name"] == "refund"
+    assert t.attributes["gen_ai.tool.call.id"] == "call_abc"
+    assert t.attributes["error.type"] == "timeout"
+    assert t.attributes["runcap.args_hash"] == "b" * 64
+    assert t.attributes["runcap.idempotency_key"] == "0123456789abcdef0123456789abcdef"
+    assert t.attributes["runcap.outcome"] == "timeout" and t.attributes["runcap.kind"] == "tool"
+    assert "runcap.result_hash" not in t.attributes  # empty columns are not sent
+    assert "gen_ai.usage.input_tokens" not in t.attributes
+
+    r = got[requested.span_id]
+    assert r.name == "execute_tool refund" and r.attributes["runcap.kind"] == "tool_call"
+
+
+def test_run_snapshots_are_not_exported(receiver: OTLPReceiver) -> None:
+    run = RunSnapshot("run-1", "", T0, T0, "active", 1, 0, 1, 1, Decimal(0), None, None, None, None, None)
+    sink = OTLPSink(receiver.endpoint)
+    sink.write([], [run], "b")
+    sink.close()
+    assert receiver.requests == 0
+
+
+def test_span_with_malformed_id_is_skipped_not_retried(receiver: OTLPReceiver) -> None:
+    good, bad = model_span(), model_span(span_id="xyz")
+    sink = OTLPSink(receiver.endpoint)
+    sink.write([bad, good], [], "b")
+    sink.close()
+    assert [s.span_id for s in receiver.spans] == [good.span_id]
+
+
+def test_collector_down_raises_sink_error(receiver: OTLPReceiver) -> None:
+    receiver.fail_with(400)
+    sink = OTLPSink(receiver.endpoint, timeout_s=1)
+    with pytest.raises(SinkError, match="OTLP export of batch b1"):
+        sink.write([model_span()], [], "b1")
+    sink.close()
+
+
+def test_pipeline_spools_while_collector_fails_then_exports_same_ids(
+    receiver: OTLPReceiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint + "/")
+    sink = OTLPSink(timeout_s=0.5)
+    assert sink.endpoint == receiver.endpoint + "/v1/traces"
+    receiver.fail_with(503)
+    pipe = SpanPipeline([sink], None, tmp_path, batch_size=3, flush_interval_s=0.05, retry_initial_s=0.05)
+    pipe.start()
+    spans = [model_span(step=i, started_at=T0 + timedelta(milliseconds=i)) for i in range(1, 8)]
+    for s in spans:
+        pipe.submit_span(s)
+    deadline = time.monotonic() + 3
+    while pipe.stats().sinks["otlp"].spooled_records < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pipe.stats().sinks["otlp"].spooled_records == 7 and receiver.spans == []
+    receiver.fail_with(None)
+    got = receiver.wait_for(7)
+    pipe.close()
+    assert sorted(s.span_id for s in got) == sorted(s.span_id for s in spans)
+    assert {s.start_time_unix_nano for s in got} == {to_unix_nanos(s.started_at) for s in spans}
+
+
+@pytest.mark.parametrize(
+    ("kind", "endpoint", "operation"),
+    [
+        ("model", "chat.completions", "chat"),
+        ("model", "responses", "chat"),
+        ("model", "messages", "chat"),
+        ("model", "embeddings", "embeddings"),
+        ("model", "completions", "text_completion"),
+        ("model", "", "chat"),
+        ("tool_result", "", "execute_tool"),
+    ],
+)
+def test_operation_from_endpoint(kind: str, endpoint: str, operation: str) -> None:
+    span = Span(run_id="r", kind=kind, step=1, started_at=T0, endpoint=endpoint)
+    assert operation_for(span) == operation
+
+
+def test_traces_endpoint_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert traces_endpoint() == "http://127.0.0.1:4318/v1/traces"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9999/custom")
+    assert traces_endpoint() == "http://127.0.0.1:9999/custom"
+    assert traces_endpoint("http://127.0.0.1:1/") == "http://127.0.0.1:1/v1/traces"
