@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
     up_port, rc_port = free_port(), free_port()
+    # The core proxy: caps and the ledger on, tracing off (bench/span_bench.py measures tracing).
     (tmp / "runcap.toml").write_text(
-        f'log_requests = false\n[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+        f'log_requests = false\ntracing = false\n[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
     )
     runcap = [sys.executable, "-m", "proxy.cli"]
     procs = []

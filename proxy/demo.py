@@ -1,5 +1,8 @@
 """`runcap demo`: runcap and the scripted model on free local ports, three agent runs through the
-official `openai` client, and what runcap allowed, clamped or refused at every step.
+official `openai` client, and what runcap allowed, clamped or refused at every step — then the
+on-call view of the same runs from the span store: the timeline of the run that hit its dollar cap
+(`runcap run`) and the duplicate-side-effect query catching a repeated tool call
+(`runcap query duplicate_side_effects`).
 
 No network, no servers to start: the model is `ScriptedUpstream`, storage is embedded under a
 data directory (a fresh temporary one unless `--data-dir` is given).
@@ -19,7 +22,7 @@ from aiohttp import web
 
 from proxy.config import build_config
 from proxy.scripted_upstream import ScriptedUpstream
-from proxy.server.app import build_app
+from proxy.server.app import RUNTIME, build_app
 
 MODEL = "gpt-4o"  # priced by genai-prices: $2.50 / $10 per million input / output tokens
 
@@ -35,8 +38,10 @@ TOOLS = [
 ]
 
 SCRIPTS: dict[str, list[dict[str, Any]]] = {
-    # Looks an order up, then answers.
+    # Looks an order up — twice, with the same arguments (the duplicate the on-call view catches) —
+    # then answers.
     "support": [
+        {"tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A-1001"}}]},
         {"tool_calls": [{"name": "lookup_order", "arguments": {"order_id": "A-1001"}}]},
         {"text": "Order A-1001 shipped yesterday; it should arrive on Friday."},
     ],
@@ -62,16 +67,20 @@ def _fmt_headers(h: Any) -> str:
 
 async def _agent(  # type: ignore[no-untyped-def]
     base_url: str, run_id: str, script: str, caps: dict[str, str], max_tokens: int, keep_writing: bool, say
-) -> None:
+) -> int:
     """A small agent loop: call the model, run the tools it asks for, repeat until it answers
-    (or, with keep_writing, ask it to go on after each answer) or runcap refuses."""
+    (or, with keep_writing, ask it to go on after each answer) or runcap refuses. Returns the
+    number of spans runcap records for it (model calls, tool calls requested, results sent back)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="demo-key", max_retries=2)
     headers = {"X-Run-Id": run_id, "X-Run-Task": f"demo-{script}", "X-Mock-Script": script, **caps}
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is my order A-1001?"}]
     say(f"\nrun {run_id}  script={script}  " + "  ".join(f"{k}={v}" for k, v in caps.items()))
+    spans = pending_results = 0
     for _ in range(12):
+        spans += 1 + pending_results  # this call, and the results its request carries back
+        pending_results = 0
         try:
             raw = await client.chat.completions.with_raw_response.create(
                 model=MODEL, messages=messages, tools=TOOLS, max_tokens=max_tokens, extra_headers=headers
@@ -101,6 +110,8 @@ async def _agent(  # type: ignore[no-untyped-def]
             f"{usage.completion_tokens:>4}  {_fmt_headers(h)}" + (f"  [{'; '.join(notes)}]" if notes else "")
         )
         messages.append(msg.model_dump(exclude_none=True))
+        spans += len(msg.tool_calls or [])
+        pending_results = len(msg.tool_calls or [])
         if not msg.tool_calls:
             if not keep_writing:
                 break
@@ -109,6 +120,7 @@ async def _agent(  # type: ignore[no-untyped-def]
         for call in msg.tool_calls:
             result = {"order_id": json.loads(call.function.arguments).get("order_id"), "status": "shipped"}
             messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    return spans
 
 
 async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
@@ -120,7 +132,7 @@ async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # t
         listen="127.0.0.1:0",
         data_dir=str(data_dir),
     )
-    app = build_app(config)
+    app = build_app(config, span_options={"flush_interval_s": 0.05})
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -141,11 +153,12 @@ async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # t
         "step-cap": (f"demo-{stamp}-steps", "wanderer", {"X-Run-Max-Steps": "3"}, 800, False),
     }
     states: dict[str, dict[str, Any]] = {}
+    spans = 0
     try:
         import aiohttp
 
         for name, (run_id, script, caps, max_tokens, keep_writing) in runs.items():
-            await _agent(base, run_id, script, caps, max_tokens, keep_writing, say)
+            spans += await _agent(base, run_id, script, caps, max_tokens, keep_writing, say)
             async with aiohttp.ClientSession() as s, s.get(f"{base}/runs/{run_id}") as r:
                 state = await r.json()
             states[name] = state
@@ -154,10 +167,44 @@ async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # t
                 f"{state['input_tokens']}+{state['output_tokens']} tokens, ${state['cost_usd']} spent"
                 + (f" of ${state['caps']['max_usd']}" if state["caps"]["max_usd"] else "")
             )
+        store = app[RUNTIME].spans.store
+        if store is not None:
+            await _oncall_view(store, spans, runs["dollar-cap"][0], data_dir, say)
     finally:
         await runner.cleanup()
         await upstream.stop()
     return states
+
+
+async def _oncall_view(store: Any, spans: int, capped_run: str, data_dir: Path, say) -> None:  # type: ignore[no-untyped-def]
+    """What an on-call engineer sees afterwards: the same SQL as `runcap run` / `runcap query`,
+    through the in-process span store once the pipeline has written the runs' spans."""
+    from proxy.queryfiles import bind, load_query
+    from proxy.readcli import render_table
+
+    loop = asyncio.get_running_loop()
+
+    def ask(name: str, **given: str) -> tuple[list[str], list[list[Any]]]:
+        query = load_query(name)
+        return store.query(query.sql, bind(query, given, store))  # type: ignore[no-any-return]
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the pipeline writes in the background: wait for it
+        _, rows = await loop.run_in_executor(None, store.query, "SELECT count() FROM runcap.spans", None)
+        if rows[0][0] >= spans:
+            break
+        await asyncio.sleep(0.05)
+    say(f"\n── on-call view (the span store in {data_dir}) ──")
+    say(f"\n$ runcap run {capped_run}      # the run that hit its dollar cap, one line per span")
+    columns, rows = await loop.run_in_executor(None, lambda: ask("run_timeline", run_id=capped_run))
+    total = rows[-1][columns.index("cumulative_usd")] if rows else "0"
+    show = ["step", "kind", "model", "input_tokens", "output_tokens", "cost_usd", "cumulative_usd", "outcome",
+            "status_code", "duration_ms"]  # fmt: skip
+    render_table(columns, rows, show=show, title=f"run {capped_run}: {len(rows)} spans, ${total}")
+    say("\n$ runcap query duplicate_side_effects      # the same tool, same arguments, more than once")
+    columns, rows = await loop.run_in_executor(None, lambda: ask("duplicate_side_effects"))
+    show = ["run_id", "tool_name", "args_hash", "seen_as", "times", "steps", "first_at", "last_at"]
+    render_table(columns, rows, show=show)
 
 
 def main(data_dir: str | None = None) -> int:

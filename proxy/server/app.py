@@ -86,7 +86,7 @@ def build_app(
 
     OpsRoutes(ledger, metrics, rt.flights, AdminGuard(config.admin_token), spans.store).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
-    ToolGateway(config, ledger, rt.flights, metrics, lambda: getattr(rt, "recorder", None)).add_to(app)
+    ToolGateway(config, ledger, rt.flights, metrics, rt.recorder).add_to(app)
     IdempotencyAdmin(ledger, AdminGuard(config.admin_token)).add_to(app)
     CancelPropagation(ledger, rt.flights).add_to(app)
     upstreams = config.upstreams

@@ -48,6 +48,9 @@ from proxy.ledger.base import IdempotencyRecord, Ledger, RunState, ToolCallReque
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
+from proxy.server.trace import run_snapshot
+from proxy.spans.model import Span
+from proxy.spans.recorder import NullRecorder, SpanRecorder
 
 log = logging.getLogger("runcap.tools")
 
@@ -122,13 +125,13 @@ class ToolGateway:
         ledger: Ledger,
         flights: Flights,
         metrics: Metrics,
-        recorder: Any = None,  # () -> SpanRecorder | None, read per call (wired at start-up)
+        recorder: SpanRecorder | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
         self.flights = flights
         self.metrics = metrics
-        self._recorder = recorder or (lambda: None)
+        self.recorder: SpanRecorder = recorder or NullRecorder()
         self.session: aiohttp.ClientSession | None = None
         # Calls this process executes, by (run, key): duplicates here wake up at once.
         self._executing: dict[tuple[str, str], asyncio.Event] = {}
@@ -276,8 +279,8 @@ class ToolGateway:
         if request.query_string:
             url += f"?{request.query_string}"
 
-        recorder = self._recorder()
-        if recorder is not None and body:
+        recorder = self.recorder
+        if body:
             call.request_hash = recorder.payload(body)
         slot = (run.run_id, call.key or "")
         event = asyncio.Event()
@@ -350,10 +353,9 @@ class ToolGateway:
         if upstream.status >= 400:
             call.outcome = "error"
             call.error = data[:500].decode("utf-8", "replace")
-        if recorder is not None:
-            call.response_hash = recorder.payload(
-                data, is_error=upstream.status >= 400, content_type=upstream.headers.get("content-type", "")
-            )
+        call.response_hash = recorder.payload(
+            data, is_error=upstream.status >= 400, content_type=upstream.headers.get("content-type", "")
+        )
         if call.key is not None:
             recorded = {h: upstream.headers[h] for h in RECORDED_HEADERS if h in upstream.headers}
             # The answer is the outcome, whatever its status: a repeat replays it.
@@ -412,11 +414,9 @@ class ToolGateway:
 
     def _record(self, request: web.Request, call: ToolCall) -> None:
         self.metrics.tool_calls.labels(call.tool, call.outcome).inc()
-        recorder = self._recorder()
-        if recorder is None or call.run is None:
+        recorder = self.recorder
+        if call.run is None:
             return
-        from proxy.spans.model import Span
-
         try:
             recorder.span(
                 Span(
@@ -439,5 +439,7 @@ class ToolGateway:
                     attributes={"tool.path": request.match_info.get("tail", "")},
                 )
             )
+            if call.state is not None:  # the run's executed tool calls changed
+                recorder.run(run_snapshot(call.state))
         except Exception:
             log.exception("could not record the span of a call to tool %s", call.tool)

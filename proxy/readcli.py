@@ -1,0 +1,339 @@
+"""The read side of the CLI: `runcap query`, `sql`, `runs`, `run` and `payload`.
+
+Where the SQL goes (`open_reader`):
+
+* `RUNCAP_CLICKHOUSE_URL` set: straight to that ClickHouse server.
+* `--url` given: that runcap's `POST /admin/sql` (with `RUNCAP_ADMIN_TOKEN` when set).
+* `--data-dir` given (no `--url`): the embedded chdb store in that directory, opened by this
+  process — which only works while no `runcap serve` holds it; if one does, the configured
+  runcap's `/admin/sql` is tried next.
+* neither: the configured runcap (`listen`) through `/admin/sql`; when nothing answers there, the
+  configured data directory directly.
+
+chdb lets one process open a data directory, hence the order. Every attempt that fails is named
+in the final error. Output is a table on a terminal (rich) or, with `--json`, a JSON array of
+objects (column → value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, Protocol
+
+from proxy.config import Config
+from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
+
+Rows = list[list[Any]]
+
+
+class ReadError(Exception):
+    """The read command cannot reach a span store, or the store refused the query."""
+
+
+class StoreUnreachable(ReadError):
+    """Nothing answered where we looked (a next place may be tried)."""
+
+
+class Reader(Protocol):
+    where: str
+
+    def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], Rows]: ...
+
+    def close(self) -> None: ...
+
+
+class AdminSqlReader:
+    """SQL through a running runcap's `POST /admin/sql`."""
+
+    def __init__(self, base_url: str, token: str | None, timeout_s: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.where = f"{self.base_url}/admin/sql"
+
+    def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], Rows]:
+        body = json.dumps({"sql": sql, "params": params or {}}).encode()
+        req = urllib.request.Request(
+            self.where, data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                answer = json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            text = e.read().decode("utf-8", "replace")
+            try:
+                message = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = text[:2000]
+            raise ReadError(f"{self.where}: HTTP {e.code}: {message}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise StoreUnreachable(f"no runcap answers at {self.base_url} ({reason})") from None
+        return answer["columns"], answer["rows"]
+
+    def close(self) -> None:
+        pass
+
+
+class DirectReader:
+    """SQL on the span store itself: a ClickHouse server, or the embedded chdb directory."""
+
+    def __init__(self, config: Config) -> None:
+        from proxy.spans.clickhouse import EMBEDDED_SUBDIR, SpanStoreError, open_span_store
+
+        if config.clickhouse_url:
+            self.where = "the ClickHouse server in RUNCAP_CLICKHOUSE_URL"
+        else:
+            path = Path(config.data_dir) / EMBEDDED_SUBDIR
+            self.where = str(path)
+            if not path.is_dir():
+                raise StoreUnreachable(f"no embedded span store in {path} (wrong --data-dir?)")
+        try:
+            self._store = open_span_store(config.clickhouse_url, config.data_dir)
+        except SpanStoreError as e:
+            raise StoreUnreachable(str(e)) from None
+
+    def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], Rows]:
+        from proxy.spans.clickhouse import SpanStoreError
+
+        try:
+            return self._store.query(sql, params)
+        except SpanStoreError as e:  # SpanQueryError included: ClickHouse's own message
+            raise ReadError(str(e)) from None
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:
+    token = os.environ.get("RUNCAP_ADMIN_TOKEN") or config.admin_token
+    if config.clickhouse_url:
+        return DirectReader(config)
+    if url:
+        return AdminSqlReader(url, token)
+    configured = AdminSqlReader(f"http://{config.listen}", token)
+    attempts: list[str] = []
+    order = ("direct", "http") if data_dir_given else ("http", "direct")
+    for kind in order:
+        try:
+            if kind == "direct":
+                return DirectReader(config)
+            configured.query("SELECT 1")
+            return configured
+        except StoreUnreachable as e:
+            attempts.append(str(e))
+        except ReadError as e:  # it answered, but refused (e.g. 401): that is the answer
+            raise ReadError(f"{e} (set RUNCAP_ADMIN_TOKEN)" if "401" in str(e) else str(e)) from None
+    raise ReadError(
+        "cannot read the span store: "
+        + "; ".join(attempts)
+        + ". Start `runcap serve`, pass --url of a running runcap, --data-dir of its data directory, "
+        "or set RUNCAP_CLICKHOUSE_URL."
+    )
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+# Columns a terminal table shows (all of them go to --json).
+_TABLE_COLUMNS = {
+    "runs": ["run_id", "task", "status", "cap_hit", "steps", "tool_calls", "input_tokens",
+             "output_tokens", "cost_usd", "max_usd", "updated_at"],
+    "run_timeline": ["started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens",
+                     "cost_usd", "cumulative_usd", "args_hash", "result_hash", "outcome", "status_code",
+                     "duration_ms"],
+}  # fmt: skip
+_SHORT_HASH = 12
+_ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00")
+
+
+def run_read_command(args: argparse.Namespace, config: Config) -> int:
+    try:
+        if args.command == "payload":
+            return _payload(args, config)
+        if args.command == "query" and not args.name:
+            return _list_queries(args)
+        reader = open_reader(config, args.url, args.data_dir is not None)
+        try:
+            return _run(args, reader)
+        finally:
+            reader.close()
+    except (QueryFileError, ReadError) as e:
+        print(f"runcap {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, reader: Reader) -> int:
+    if args.command == "sql":
+        columns, rows = reader.query(args.sql, parse_param_args(args.param or []))
+        print_rows(columns, rows, args.json)
+        return 0
+    if args.command == "query":
+        name, given = args.name, parse_param_args(args.param or [])
+    elif args.command == "runs":
+        name = "runs"
+        given = {k: str(v) for k, v in (("task", args.task), ("status", args.status),
+                                        ("limit", args.limit)) if v is not None}  # fmt: skip
+        if args.since:
+            given["since"] = args.since
+    elif args.command == "run":
+        name, given = "run_timeline", {"run_id": args.run_id}
+    else:
+        raise AssertionError(args.command)
+    query = load_query(name)
+    columns, rows = reader.query(query.sql, bind(query, given, reader))
+    title = None
+    if args.command == "run":
+        if not rows:
+            raise ReadError(f"no spans for run {args.run_id!r} in {reader.where}")
+        total = rows[-1][columns.index("cumulative_usd")]
+        title = f"run {args.run_id}: {len(rows)} spans, ${_fmt_decimal(total)}"
+    print_rows(columns, rows, args.json, show=_TABLE_COLUMNS.get(name), title=title)
+    return 0
+
+
+def _list_queries(args: argparse.Namespace) -> int:
+    queries = list_queries()
+    if args.json:
+        listing = [
+            {
+                "name": q.name,
+                "question": q.question,
+                "params": [
+                    {"name": p.name, "type": p.type, "default": p.default, "doc": p.doc} for p in q.params
+                ],
+            }
+            for q in queries
+        ]
+        print(json.dumps(listing, indent=2))
+        return 0
+    for q in queries:
+        first = q.question.split("? ")[0] + ("?" if "? " in q.question else "")
+        print(f"{q.name}: {first}")
+        for p in q.params:
+            print(f"    --param {p.name}=…  {p.type}, default {p.default}" + (f" — {p.doc}" if p.doc else ""))
+    return 0
+
+
+def _payload(args: argparse.Namespace, config: Config) -> int:
+    from proxy.spans.payloads import LocalPayloadStore, open_payload_store
+
+    store = open_payload_store(config.s3_url, config.data_dir)
+    try:
+        digest = args.hash.strip().lower()
+        if len(digest) < 64 and isinstance(store, LocalPayloadStore) and len(digest) >= 8:
+            digest = _resolve_prefix(store, digest)
+        try:
+            data = store.get(digest)
+        except (KeyError, ValueError) as e:
+            where = config.s3_url or str(Path(config.data_dir) / "payloads")
+            raise ReadError(f"no payload {args.hash!r} in {where}: {e}") from None
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps([{"sha256": digest, "bytes": len(data), "body": data.decode("utf-8", "replace")}]))
+    else:
+        sys.stdout.buffer.write(data)
+        if sys.stdout.isatty() and not data.endswith(b"\n"):
+            sys.stdout.buffer.write(b"\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _resolve_prefix(store: Any, prefix: str) -> str:
+    """A unique hash prefix (as the timeline table shows) → the full hash; local store only."""
+    directory = store.path(prefix[:2].ljust(64, "0")).parent
+    found = [p.name for p in directory.glob(f"{prefix}*") if len(p.name) == 64]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ReadError(f"hash prefix {prefix!r} is ambiguous: {', '.join(sorted(found)[:5])}")
+    return prefix  # let get() say it is missing
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def print_rows(
+    columns: Sequence[str], rows: Rows, as_json: bool, *, show: Sequence[str] | None = None,
+    title: str | None = None, console: Any = None,
+) -> None:  # fmt: skip
+    if as_json:
+        print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], indent=1, default=str))
+        return
+    render_table(columns, rows, show=show, title=title, console=console)
+
+
+def render_table(
+    columns: Sequence[str], rows: Rows, *, show: Sequence[str] | None = None, title: str | None = None,
+    console: Any = None,
+) -> None:  # fmt: skip
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    picked = [i for i, c in enumerate(columns) if show is None or c in show]
+    cells = [[_cell(columns[i], row[i]) for i in picked] for row in rows]
+    if console is None:
+        # As wide as the table needs (at least the terminal): squeezed into 80 columns, hashes and
+        # times fold into unreadable stubs; a long line can be scrolled (`less -S`).
+        widths = [max([len(columns[i])] + [len(r[j]) for r in cells]) for j, i in enumerate(picked)]
+        natural = sum(widths) + 3 * len(widths) + 2
+        console = Console(width=min(max(natural, len(title or "")), 1000), highlight=False)
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    for i in picked:
+        numeric = bool(rows) and all(
+            isinstance(r[i], (int, float)) or _is_decimal(r[i]) for r in rows if r[i] is not None
+        )
+        table.add_column(columns[i], justify="right" if numeric else "left", overflow="fold")
+    for row in cells:
+        table.add_row(*row)
+    console.print(table)
+    if not rows:
+        console.print("(no rows)")
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(_cell(column, v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}" if abs(value) < 1e15 else str(value)
+    if isinstance(value, str):
+        if column.endswith("_hash") or column == "idempotency_key" or column == "hash":
+            return value[:_SHORT_HASH]
+        if _ISO_UTC.fullmatch(value):  # ISO 8601 UTC, to the millisecond
+            return value.removesuffix("+00:00")[:23].replace("T", " ")
+        if _is_decimal(value) and column.endswith("usd"):
+            return _fmt_decimal(value)
+    return str(value)
+
+
+def _is_decimal(value: Any) -> bool:
+    if not isinstance(value, str) or not value or value[0] not in "-0123456789":
+        return False
+    try:
+        Decimal(value)
+    except InvalidOperation:
+        return False
+    return True
+
+
+def _fmt_decimal(value: Any) -> str:
+    try:
+        return format(Decimal(str(value)), "f")
+    except InvalidOperation:
+        return str(value)

@@ -1,0 +1,76 @@
+-- run_cost: Where did the money go in this run? Per step and model: tokens by kind, cost,
+-- cumulative cost, share of the run's total, and the most expensive step flagged; then one
+-- subtotal row per model and the run's total.
+--
+-- Token columns are as the provider reported them: input_tokens counts ALL input tokens
+-- (cache_read_tokens and cache_write_tokens are the parts of it read from / written to the
+-- prompt cache); output_tokens includes reasoning_tokens. Refused calls (402/410/504) are
+-- listed with their outcome and cost 0. price_known = false: the model has no known price and
+-- its cost is counted as 0 (see unpriced_models).
+--
+-- row = 'step'  one step (model call) — cumulative_usd runs over steps in order;
+--       'model' subtotal of one model over the run (step = 0);
+--       'run'   the run's total (step = 0, model = '').
+--
+-- @param run_id String                = ''                          -- the run; '' = the most expensive run in the window
+-- @param since  DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''
+SELECT
+    run,
+    row,
+    step,
+    model,
+    calls,
+    outcomes,
+    n_input AS input_tokens,
+    n_cache_read AS cache_read_tokens,
+    n_cache_write AS cache_write_tokens,
+    n_output AS output_tokens,
+    n_reasoning AS reasoning_tokens,
+    usd AS cost_usd,
+    if(row = 'step', sum(usd) OVER (PARTITION BY row ORDER BY step, model ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), NULL) AS cumulative_usd,
+    round(if(run_usd = 0, 0, 100 * toFloat64(usd) / toFloat64(run_usd)), 2) AS share_pct,
+    row = 'step' AND usd > 0 AND usd = max(if(row = 'step', usd, 0)) OVER () AS most_expensive,
+    all_priced AS price_known
+FROM
+(
+    SELECT
+        *,
+        max(if(row = 'run', usd, 0)) OVER () AS run_usd
+    FROM
+    (
+        SELECT
+            any(run_id) AS run,
+            -- grouping() follows standard SQL here: a bit is set for a column NOT in the grouping set
+            multiIf(grouping(step, model) = 0, 'step', grouping(step, model) = 2, 'model', 'run') AS row,
+            step,
+            model,
+            count() AS calls,
+            arraySort(groupUniqArray(outcome)) AS outcomes,
+            sum(input_tokens) AS n_input,
+            sum(cache_read_tokens) AS n_cache_read,
+            sum(cache_write_tokens) AS n_cache_write,
+            sum(output_tokens) AS n_output,
+            sum(reasoning_tokens) AS n_reasoning,
+            sum(cost_usd) AS usd,
+            min(price_known) AS all_priced
+        FROM runcap.spans
+        WHERE kind = 'model'
+            AND run_id = if(
+                {run_id:String} != '',
+                {run_id:String},
+                (
+                    SELECT run_id
+                    FROM runcap.spans
+                    WHERE kind = 'model' AND started_at >= {since:DateTime64(6, 'UTC')}
+                    GROUP BY run_id
+                    ORDER BY sum(cost_usd) DESC, max(started_at) DESC, run_id
+                    LIMIT 1
+                )
+            )
+        GROUP BY GROUPING SETS ((step, model), (model), ())
+    )
+)
+ORDER BY
+    indexOf(['step', 'model', 'run'], row),
+    step,
+    model

@@ -1,0 +1,43 @@
+-- run_timeline: What did this run do, step by step? One line per span in time order: model
+-- calls with tokens, cost and cumulative cost; tool calls the model requested (tool_call), results
+-- the agent sent back (tool_result), calls through /tools (tool); outcome, status and duration.
+-- Hashes are full: `runcap payload HASH` prints a stored request/response body. Used by
+-- `runcap run RUN_ID`.
+--
+-- @param run_id  String                = ''                          -- the run; '' = the most recently active run
+-- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''
+SELECT
+    started_at,
+    step,
+    kind,
+    model,
+    tool_name AS tool,
+    input_tokens,
+    output_tokens,
+    cost_usd,
+    sum(cost_usd) OVER (ORDER BY started_at, kind_order, span_id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cumulative_usd,
+    args_hash,
+    result_hash,
+    outcome,
+    status_code,
+    round(duration_ms, 1) AS duration_ms,
+    idempotency_key,
+    request_hash,
+    response_hash,
+    substring(error, 1, 200) AS error,
+    run_id
+FROM
+(
+    SELECT
+        *,
+        -- equal times: a result sent back comes before the model call whose request carried it
+        indexOf(['tool_result', 'model', 'tool_call', 'tool'], kind) AS kind_order
+    FROM runcap.spans
+    WHERE run_id = if(
+        {run_id:String} != '',
+        {run_id:String},
+        (SELECT run_id FROM runcap.spans WHERE started_at >= {since:DateTime64(6, 'UTC')}
+         ORDER BY started_at DESC LIMIT 1)
+    )
+)
+ORDER BY started_at, kind_order, span_id
