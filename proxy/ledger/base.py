@@ -43,6 +43,14 @@ from proxy.money import format_usd, tokens_affordable, tokens_cost_nanos
 _RESERVATION_PREFIX = secrets.token_hex(6)
 _RESERVATION_SEQ = itertools.count(1)
 
+
+def _new_prefix_after_fork() -> None:
+    global _RESERVATION_PREFIX
+    _RESERVATION_PREFIX = secrets.token_hex(6)
+
+
+os.register_at_fork(after_in_child=_new_prefix_after_fork)
+
 TERMINAL_STATUSES = frozenset(
     {"budget_exceeded", "deadline_exceeded", "steps_exceeded", "tool_calls_exceeded", "cancelled"}
 )
@@ -381,7 +389,7 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
     if state.status not in TERMINAL_STATUSES:
         state.status = "active"
     return Reservation(
-        id=f"{_RESERVATION_PREFIX}{os.getpid()}-{next(_RESERVATION_SEQ)}",  # pid: safe across fork
+        id=f"{_RESERVATION_PREFIX}-{next(_RESERVATION_SEQ)}",
         run_id=state.run_id,
         step=state.steps,
         usd_nanos=usd,

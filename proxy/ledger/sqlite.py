@@ -68,16 +68,18 @@ CREATE TABLE IF NOT EXISTS runs (
     reserved_usd INTEGER NOT NULL, reserved_tokens INTEGER NOT NULL,
     final_reason TEXT, cancelled INTEGER NOT NULL
 ) WITHOUT ROWID;
+-- Clustered by owner: recovery reads one owner's rows, and a call's insert and delete touch one
+-- b-tree page (no secondary index) — fewer WAL pages per commit on the hot path.
 CREATE TABLE IF NOT EXISTS reservations (
-    id TEXT PRIMARY KEY,
-    run_id TEXT NOT NULL,
     owner TEXT NOT NULL,
+    id TEXT NOT NULL,
+    run_id TEXT NOT NULL,
     usd INTEGER NOT NULL,
     input_tokens INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    PRIMARY KEY (owner, id)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS reservations_owner ON reservations(owner);
 CREATE TABLE IF NOT EXISTS tool_calls (
     run_id TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -212,7 +214,12 @@ class SQLiteLedger(Ledger):
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
-            gone = db.execute("DELETE FROM reservations WHERE id = ?", (reservation.id,)).rowcount == 0
+            gone = (
+                db.execute(
+                    "DELETE FROM reservations WHERE owner = ? AND id = ?", (self.owner, reservation.id)
+                ).rowcount
+                == 0
+            )
             state = self._load(reservation.run_id)
             if state is None:
                 raise KeyError(reservation.run_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -203,6 +204,12 @@ def _serve_one(config: Config, reuse_port: bool) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _install_uvloop()
     app = build_app(config)
+    # The request path allocates many short-lived objects; the heap also holds large long-lived
+    # tables (prices, chdb). Freeze what start-up built so collections never rescan it, and
+    # collect the young generation less often: ~4% of a request's CPU went to the collector.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
     sock = socket.socket(socket.AF_INET6 if ":" in config.listen_host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
