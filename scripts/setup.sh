@@ -11,8 +11,10 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 
+extras=${RUNCAP_EXTRAS:-embedded,redis,fast,demo,test,temporal}
+
 # The Redis ledger's tests run a real redis-server (Debian's package).
-if ! command -v redis-server >/dev/null 2>&1; then
+if [[ ",$extras," == *,test,* ]] && ! command -v redis-server >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
     else
@@ -20,7 +22,6 @@ if ! command -v redis-server >/dev/null 2>&1; then
     fi
 fi
 
-extras=${RUNCAP_EXTRAS:-embedded,redis,fast,demo,test}
 stamp=.venv/.runcap-installed
 want="$(sha256sum pyproject.toml | cut -c1-16) $extras"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
