@@ -21,6 +21,7 @@ from proxy.money import usd_to_nanos
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _INT_RE = re.compile(r"^\s*\d{1,18}\s*$")
+_MAX_UNIX_SECONDS = 253402300800.0  # 10000-01-01: beyond what dates (and RFC 3339) can say
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +177,10 @@ def _deadline(raw: str | None) -> float | None:
     text = raw.strip()
     try:
         if re.fullmatch(r"\d+(\.\d+)?", text):
-            return float(text)
+            value = float(text)
+            if value >= _MAX_UNIX_SECONDS:
+                raise ValueError("after year 9999")
+            return value
         dt = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
         if dt.tzinfo is None:
             raise ValueError("no time zone")

@@ -21,6 +21,15 @@ from proxy.money import usd_to_nanos
 from proxy.pricing import ModelPrice
 
 
+def redact_url(url: str) -> str:
+    """A URL fit for logs, spans and error messages: its password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return parts._replace(netloc=netloc).geturl()
+
+
 class ConfigError(Exception):
     """A setting is wrong; the message starts with the setting's name."""
 
@@ -36,6 +45,10 @@ class UpstreamConfig:
     flavor: str  # wire format family: "openai" (and OpenAI-compatible) or "anthropic"
     api_key: str | None = None  # resolved from api_key_env; replaces the agent's credentials
 
+    @property
+    def display_url(self) -> str:
+        return redact_url(self.url)
+
 
 @dataclass(frozen=True, slots=True)
 class ToolConfig:
@@ -45,6 +58,10 @@ class ToolConfig:
     key_fields: tuple[str, ...] | None = None
     timeout_s: float | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def display_url(self) -> str:
+        return redact_url(self.url)
 
 
 @dataclass(frozen=True, slots=True)

@@ -213,6 +213,13 @@ class PriceBook:
             return None
         return _from_genai(info)
 
+    def context_window(self, provider: str, model: str) -> int | None:
+        """The model's context window in tokens (genai-prices' data), None when unknown: the most
+        input a call can be billed for when its input is not in the request body."""
+        info = self._find_model(provider, model)
+        window = getattr(info, "context_window", None) if info is not None else None
+        return window if isinstance(window, int) and window > 0 else None
+
     def _find_model(self, provider: str, model: str) -> gp.ModelInfo | None:
         ref = model.lower()
         named = self._by_id.get(provider.lower())

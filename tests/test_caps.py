@@ -302,3 +302,31 @@ def test_conversation_memory_bounds():  # type: ignore[no-untyped-def]
         memory.bound("r", a, a.parse_request(other_model)) == a.parse_request(other_model).input_token_bound
     )
     assert memory.bound("unknown-run", a, info2) == info2.input_token_bound
+
+
+async def test_previous_response_id_is_bounded_by_what_it_stored(runcap, upstream):  # type: ignore[no-untyped-def]
+    """Responses continuing a stored response bill its tokens too, which are not in the body."""
+    c = client(runcap, retries=0)
+    h = {"X-Run-Id": "prev", "X-Run-Max-Usd": "0.05"}
+    first = await c.responses.create(model="gpt-4.1", input="hello", max_output_tokens=50, extra_headers=h)
+    second = await c.responses.create(
+        model="gpt-4.1",
+        input="and again",
+        previous_response_id=first.id,
+        max_output_tokens=50,
+        extra_headers=h,
+    )
+    assert second.usage.input_tokens > first.usage.input_tokens  # the stored turn was billed again
+    # A response this runcap never saw: its size is unknown, so the whole context window of
+    # gpt-4.1 (1M tokens, $2) is reserved — more than the cap: refused before reaching upstream.
+    hits = upstream.hits()
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.responses.create(
+            model="gpt-4.1",
+            input="x",
+            previous_response_id="resp_elsewhere",
+            max_output_tokens=50,
+            extra_headers=h,
+        )
+    assert e.value.status_code == 402 and err(e.value)["code"] == "max_usd"
+    assert "1000" in err(e.value)["message"] and upstream.hits() == hits

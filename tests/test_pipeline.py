@@ -582,3 +582,27 @@ def test_kill_9_mid_write_then_restart_replays(tmp_path: Path) -> None:
     # lane's first in-flight batch (50); what overflowed or was spooled all came back
     missing = set(range(max(steps) + 1)) - set(steps)
     assert len(missing) <= 300 and len(steps) >= submitted - 300
+
+
+def test_undecodable_overflow_record_behind_a_good_one_is_set_aside_once(tmp_path: Path) -> None:
+    """A record that never decodes (written by another version, say) after a good one: the good
+    one is delivered, the bad one goes to dead/ once, and nothing loops or stalls close()."""
+    overflow = Spool(tmp_path / OVERFLOW_DIR, fsync=True)
+    good = Batch("")
+    first = make_span(0)
+    good.spans.append(first)
+    overflow.append(encode_batch(good), 1)
+    overflow.append(b"\x00not-a-batch", 1)
+    overflow.close()
+    sink = ListSink("clickhouse")
+    pipeline = SpanPipeline([sink], None, tmp_path, flush_interval_s=0.05)
+    pipeline.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and pipeline.stats().overflow_pending_records:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    pipeline.close(2.0)
+    assert time.monotonic() - t0 < 1.0
+    assert [s.span_id for s in sink.spans] == [first.span_id]
+    dead = list((tmp_path / OVERFLOW_DIR / "dead").glob("*.seg"))
+    assert len(dead) == 1 and dead[0].stat().st_size < 200

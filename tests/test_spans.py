@@ -312,3 +312,20 @@ async def test_refused_call_is_a_span(runcap_factory, upstream):  # type: ignore
         {"step": 1, "outcome": "ok", "status_code": 200},
         {"step": 2, "outcome": "budget_exceeded", "status_code": 402},
     ]
+
+
+async def test_admin_sql_is_read_only_and_cannot_reach_files(runcap_factory, upstream):  # type: ignore[no-untyped-def]
+    rc = await runcap_factory({"tracing": True})
+    async with aiohttp.ClientSession() as s:
+        for bad in (
+            "SELECT * FROM file('/etc/hostname', 'LineAsString')",
+            "INSERT INTO runcap.spans (run_id) VALUES ('x')",
+            "DROP TABLE runcap.spans",
+        ):
+            async with s.post(f"{rc.url}/admin/sql", json={"sql": bad}) as r:
+                assert r.status == 400, bad
+                assert "query failed" in (await r.json())["error"]["message"]
+        async with s.post(
+            f"{rc.url}/admin/sql", json={"sql": "SELECT {n:UInt8} AS n", "params": {"n": 7}}
+        ) as r:
+            assert await r.json() == {"columns": ["n"], "rows": [[7]]}

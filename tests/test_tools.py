@@ -167,6 +167,41 @@ async def test_side_effects_by_method_and_tool_call_cap(runcap_factory, tool):  
     assert status == 404 and "notify, refund, slow" in body["error"]["message"]
 
 
+async def test_executing_the_calls_the_model_requested_is_not_counted_twice(runcap_factory, tool, upstream):  # type: ignore[no-untyped-def]
+    rc = await runcap_factory(tools_config(tool))
+    upstream.scripts["one"] = [
+        {"tool_calls": [{"name": "refund", "arguments": {"order_id": "M1", "amount": 2}}]}
+    ]
+    run = rid("both")
+    h = {"X-Run-Max-Tool-Calls": "1"}
+    oa = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k")
+    r = await oa.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "refund M1"}],
+        tools=[{"type": "function", "function": {"name": "refund", "parameters": {"type": "object"}}}],
+        extra_headers={**h, "X-Run-Id": run, "X-Mock-Script": "one"},
+    )  # fmt: skip
+    assert len(r.choices[0].message.tool_calls) == 1
+    # The agent executes the call the model asked for: used = max(requested, executed) = 1.
+    s, _, _ = await call(f"{rc.url}/tools/refund", run, {"order_id": "M1", "amount": 2}, headers=h)
+    assert s == 200 and tool.executions == 1
+    s, _, body = await call(f"{rc.url}/tools/refund", run, {"order_id": "M2", "amount": 2}, headers=h)
+    assert s == 402 and body["error"]["code"] == "max_tool_calls" and tool.executions == 1
+    state = await rc.run(run)
+    assert (state["tool_calls_requested"], state["tool_calls_executed"], state["tool_calls"]) == (1, 1, 1)
+
+
+async def test_side_effecting_call_needs_a_run_id(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    rc = await runcap_factory(tools_config(tool))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(
+                f"{rc.url}/tools/refund", json={"order_id": "N1"}, headers={"Idempotency-Key": "k1"}
+            ) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "X-Run-Id"
+    assert tool.executions == 0
+
+
 async def test_metrics_count_tool_calls(runcap_factory, tool):  # type: ignore[no-untyped-def]
     rc = await runcap_factory(tools_config(tool))
     run = rid("m")

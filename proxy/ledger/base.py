@@ -265,7 +265,7 @@ def merge_caps(state: RunState, task: str, caps: RunCaps, now: float) -> None:
     state.caps = state.caps.lowered_by(caps.resolve_deadline(state.started_at))
     if task and not state.task:
         state.task = task
-    state.updated_at = now
+    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
 
 
 def check_live(state: RunState, now: float) -> None:
@@ -412,7 +412,7 @@ def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, n
     state.input_tokens += s.input_tokens
     state.output_tokens += s.output_tokens
     state.tool_calls_requested += s.tool_calls_requested
-    state.updated_at = now
+    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
     if s.run_status:
         _set_status(state, s.run_status)
     elif state.status not in TERMINAL_STATUSES:
@@ -431,7 +431,7 @@ def apply_recovery(
     state.spent_usd_nanos += usd_nanos
     state.input_tokens += input_tokens
     state.output_tokens += output_tokens
-    state.updated_at = now
+    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
 
 
 # -- tool calls --------------------------------------------------------------------------------
@@ -513,7 +513,9 @@ def decide_tool_call(
             "side, or continue the run without it"
         )
     caps = state.caps
-    if caps.max_tool_calls is not None and state.tool_calls >= caps.max_tool_calls:
+    # Executing a call the model requested is not a second use of the cap (used = max of the
+    # two counts): only executions beyond the cap are refused.
+    if caps.max_tool_calls is not None and state.tool_calls_executed + 1 > caps.max_tool_calls:
         _set_status(state, "tool_calls_exceeded")
         raise BudgetExceeded(
             "max_tool_calls",

@@ -425,7 +425,7 @@ class RedisLedger(Ledger):
                 state.status = "cancelled"
             elif status and state.status != "cancelled":
                 state.status = status
-            state.updated_at = now
+            state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
             try:
                 await self._cas_run(version, state)
                 return state
@@ -449,7 +449,13 @@ class RedisLedger(Ledger):
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is None or msg.get("type") != "message":
                         continue
-                    run_id, origin = orjson.loads(msg["data"])
+                    try:
+                        run_id, origin = orjson.loads(msg["data"])
+                    except (orjson.JSONDecodeError, TypeError, ValueError):
+                        log.warning(
+                            "ignored a malformed message on %s: %r", self.cancel_channel, msg["data"][:200]
+                        )
+                        continue
                     if origin != self.owner:
                         yield run_id
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
@@ -704,7 +710,7 @@ class RedisLedger(Ledger):
             if state is None or state.tool_calls_executed == 0:
                 return
             state.tool_calls_executed -= 1
-            state.updated_at = now
+            state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
             try:
                 await self._cas_run(version, state)
                 return

@@ -279,7 +279,7 @@ class SQLiteLedger(Ledger):
                 state.status = "cancelled"
             elif status and state.status != "cancelled":
                 state.status = status
-            state.updated_at = now
+            state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
             self._save(state)
             db.execute("COMMIT")
             return state
@@ -491,7 +491,7 @@ class SQLiteLedger(Ledger):
                 state = self._load(run_id)
                 if state is not None and state.tool_calls_executed > 0:
                     state.tool_calls_executed -= 1
-                    state.updated_at = now
+                    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
                     self._save(state)
             db.execute("COMMIT")
             return record

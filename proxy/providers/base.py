@@ -79,6 +79,10 @@ class RequestInfo:
     # requests with the same context whose histories share a prefix read that prefix alike.
     history: list[Any] = field(default_factory=list)
     context: bytes = b""
+    # The request extends input the provider stores (OpenAI responses): "response:{id}" for a
+    # previous response, "server-side" for a conversation or stored prompt; "" for none. Its
+    # tokens are not in the body, so `input_token_bound` does not cover them.
+    stored_context: str = ""
 
 
 @dataclass(slots=True)

@@ -220,6 +220,13 @@ class ResponsesAdapter:
         prompt = body.get("prompt")
         if isinstance(prompt, dict):
             bound += _CONTENT(prompt.get("variables"))
+        # Input the provider keeps on its side and bills with this call.
+        stored = ""
+        previous = body.get("previous_response_id")
+        if isinstance(previous, str) and previous:
+            stored = f"response:{previous}"
+        elif body.get("conversation") or (isinstance(prompt, dict) and prompt.get("id")):
+            stored = "server-side"
 
         return RequestInfo(
             model=model,
@@ -228,6 +235,7 @@ class ResponsesAdapter:
             has_tools=bool(tools),
             tool_results=results,
             input_token_bound=bound,
+            stored_context=stored,
         )
 
     def set_output_limit(self, body: dict[str, Any], limit: int) -> None:

@@ -179,11 +179,11 @@ def serve(config: Config) -> None:
     """Serve until SIGINT/SIGTERM, in `config.workers` processes sharing the port."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if config.workers == 1:
-        _serve_one(config, reuse_port=False)
+        _serve_one(config, reuse_port=False, worker=None)
         return
     procs = [
-        multiprocessing.get_context("spawn").Process(target=_serve_one, args=(config, True), daemon=False)
-        for _ in range(config.workers)
+        multiprocessing.get_context("spawn").Process(target=_serve_one, args=(config, True, i), daemon=False)
+        for i in range(config.workers)
     ]
     for p in procs:
         p.start()
@@ -200,10 +200,12 @@ def serve(config: Config) -> None:
         p.join()
 
 
-def _serve_one(config: Config, reuse_port: bool) -> None:
+def _serve_one(config: Config, reuse_port: bool, worker: int | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _install_uvloop()
-    app = build_app(config)
+    # Each worker spools to its own directory: a spool has one owner process.
+    spool = {"spool_dir": config.data_dir / "spool" / f"worker-{worker}"} if worker is not None else {}
+    app = build_app(config, span_options=spool)
     # The request path allocates many short-lived objects; the heap also holds large long-lived
     # tables (prices, chdb). Freeze what start-up built so collections never rescan it, and
     # collect the young generation less often: ~4% of a request's CPU went to the collector.

@@ -7,6 +7,7 @@ reservation — when a buffered response is in, or when a stream ends however it
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable
@@ -26,6 +27,8 @@ from proxy.server.metrics import Metrics
 log = logging.getLogger("runcap.budget")
 
 _MTOK = Decimal(1_000_000)
+# Input bound for provider-stored context of a model whose context window is unknown.
+UNKNOWN_CONTEXT_TOKENS = 1_000_000
 T = TypeVar("T")
 
 
@@ -44,6 +47,7 @@ class BudgetStep:
         self.prices = prices
         self.metrics = metrics
         self.history = ConversationMemory()
+        self._unsettled: list[tuple[Reservation, Settlement]] = []  # the ledger failed to take
 
     # -- request ------------------------------------------------------------------------------
 
@@ -65,15 +69,23 @@ class BudgetStep:
             or max_output_tokens(provider, info.model)
             or self.caps.default_output_tokens
         )
+        bound = (
+            info.input_token_bound if run.generated else self.history.bound(run.run_id, flow.adapter, info)
+        )
+        if info.stored_context:
+            # Input kept by the provider (previous response, conversation, stored prompt): its
+            # size if this process saw it answered, else the model's whole context window.
+            stored = self.history.stored_tokens(info.stored_context)
+            if stored is None:
+                stored = self.prices.context_window(provider, info.model) or UNKNOWN_CONTEXT_TOKENS
+            bound += stored
         req = StepRequest(
             run_id=run.run_id,
             task=run.task,
             caps=run.caps,
             now=time.time(),
             model=info.model,
-            input_tokens_bound=info.input_token_bound
-            if run.generated
-            else self.history.bound(run.run_id, flow.adapter, info),
+            input_tokens_bound=bound,
             client_output_limit=info.max_output_tokens,
             model_output_bound=model_bound,
             min_output_tokens=max(self.caps.min_output_tokens, flow.adapter.min_output_limit),
@@ -124,21 +136,42 @@ class BudgetStep:
             return
         flow.reservation = None  # exactly once
         settlement = self.settlement(flow, res)
-        flow.state = await self._timed("settle", self.ledger.settle(res, settlement, time.time()))
+        await self._retry_unsettled()
+        try:
+            # Shielded: a cancel or deadline arriving now must not lose what the call used.
+            flow.state = await asyncio.shield(
+                self._timed("settle", self.ledger.settle(res, settlement, time.time()))
+            )
+        except Exception:
+            # The agent still gets its (paid-for) answer; the ledger keeps the reservation (the
+            # worst case, so the cap still holds) until a later settle or recovery replaces it.
+            log.exception("run %s step %d: settling failed; will retry", res.run_id, res.step)
+            self._unsettled.append((res, settlement))
+            return
         self.metrics.settled(flow, settlement)
         resp = flow.response_info
         if flow.outcome == "ok" and flow.info and resp and resp.usage and not flow.run.generated:
             self.history.remember(res.run_id, flow.info, resp.usage, resp)
+
+    async def _retry_unsettled(self) -> None:
+        while self._unsettled:
+            res, settlement = self._unsettled[0]
+            try:
+                await asyncio.shield(self.ledger.settle(res, settlement, time.time()))
+            except Exception:
+                return
+            self._unsettled.pop(0)
 
     def settlement(self, flow: Flow, res: Reservation) -> Settlement:
         info = flow.response_info
         usage = info.usage if info else None
         complete = flow.outcome == "ok"
         if usage is None:
-            if flow.upstream_status >= 400 or flow.upstream_status == 0:
+            if flow.upstream_status >= 400 or flow.upstream_unreached:
                 usage = Usage()  # the provider refused or was never reached: nothing was generated
             else:
-                # Cut, or an upstream that does not report usage: charge the worst case reserved.
+                # Cut (the provider may have worked on it, and bills what it did), or an upstream
+                # that does not report usage: charge the worst case reserved.
                 if complete:
                     log.warning(
                         "run %s step %d: %s returned no usage; settled at the reserved worst case",
@@ -154,8 +187,17 @@ class BudgetStep:
                 cache_write_tokens=usage.cache_write_tokens,
                 reasoning_tokens=usage.reasoning_tokens,
             )
-        model = (info.model if info and info.model else "") or (flow.info.model if flow.info else "")
-        cost = self.prices.cost(pricing_provider(flow), model, usage)
+        # Priced as the model the call reserved for (a gateway or an Azure deployment may answer
+        # with a name of its own, unknown or cheaper), unless the answering model is known and
+        # dearer: never settled below what was really spent, never at an unknown $0 instead.
+        provider = pricing_provider(flow)
+        requested = flow.info.model if flow.info else ""
+        cost = self.prices.cost(provider, requested, usage)
+        answered = info.model if info else ""
+        if answered and answered != requested:
+            alt = self.prices.cost(provider, answered, usage)
+            if alt.known and (not cost.known or alt.usd > cost.usd):
+                cost = alt
         flow.cost_nanos = usd_to_nanos(cost.usd)
         flow.price_known = cost.known
         flow.usage = usage

@@ -47,6 +47,8 @@ class Flow:
     injected_stream_usage: bool = False
     status: int = 0  # as returned to the agent
     upstream_status: int = 0
+    # The connection to the upstream was never made: the request cannot have been processed.
+    upstream_unreached: bool = False
     reply_headers: dict[str, str] = field(default_factory=dict)  # runcap's own response headers
     response_body: bytes | None = None  # buffered responses only
     sent_body: bytes = b""  # the request body as forwarded upstream (after clamps and strips)

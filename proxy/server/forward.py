@@ -31,20 +31,11 @@ from proxy.errors import (
 from proxy.providers.base import BodyError
 from proxy.providers.registry import adapter_for
 from proxy.server.flow import Flights, Flow, FlowStep
+from proxy.server.headers import request_headers, response_headers
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("runcap.forward")
 
-# RFC 9110 §7.6.1 connection-specific headers, plus the ones aiohttp computes itself.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-    }
-)  # fmt: skip
-# The upstream may compress; aiohttp decompresses, so the agent gets identity bytes.
-_DROP_REQUEST = _HOP_BY_HOP | {"accept-encoding"}
-_DROP_RESPONSE = _HOP_BY_HOP | {"content-encoding"}
 _CREDENTIALS = ("authorization", "x-api-key", "api-key")
 
 _OUTCOME = {
@@ -136,13 +127,8 @@ class Forwarder:
     # -- the upstream exchange --------------------------------------------------------------
 
     def _upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
-        out: CIMultiDict[str] = CIMultiDict()
         key = flow.upstream.api_key
-        for name, value in flow.request.headers.items():
-            lower = name.lower()
-            if lower in _DROP_REQUEST or lower.startswith("x-run-") or (key and lower in _CREDENTIALS):
-                continue
-            out.add(name, value)
+        out = request_headers(flow.request.headers, _CREDENTIALS if key else ())
         if key:
             if flow.flavor == "anthropic":
                 out["x-api-key"] = key
@@ -196,8 +182,9 @@ class Forwarder:
             flow.error = "client disconnected"
             return reply if reply is not None else web.Response(status=499)
         except (aiohttp.ClientError, OSError) as e:
+            flow.upstream_unreached = isinstance(e, aiohttp.ClientConnectorError)
             return await self._cut(flow, reply, UpstreamUnavailable(
-                f"upstream '{flow.upstream.name}' ({flow.upstream.url}) failed: "
+                f"upstream '{flow.upstream.name}' ({flow.upstream.display_url}) failed: "
                 f"{type(e).__name__}: {e}".rstrip(": ")
             ))  # fmt: skip
         finally:
@@ -225,10 +212,7 @@ class Forwarder:
         return web.Response(status=upstream.status, body=body, headers=self._reply_headers(flow, upstream))
 
     def _reply_headers(self, flow: Flow, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-        out: CIMultiDict[str] = CIMultiDict()
-        for name, value in upstream.headers.items():
-            if name.lower() not in _DROP_RESPONSE:
-                out.add(name, value)
+        out = response_headers(upstream.headers)
         out.update(flow.reply_headers)
         return out
 

@@ -56,6 +56,15 @@ class ConversationMemory:
     def __init__(self, limit: int = 50_000) -> None:
         self.limit = limit
         self._runs: OrderedDict[str, _Call] = OrderedDict()
+        # Responses this process saw answered: id → the tokens a call continuing it re-reads
+        # (its input and output), for `previous_response_id`.
+        self._responses: OrderedDict[str, int] = OrderedDict()
+
+    def stored_tokens(self, stored_context: str) -> int | None:
+        """Tokens of provider-stored input a request extends, when this process knows them."""
+        if stored_context.startswith("response:"):
+            return self._responses.get(stored_context.removeprefix("response:"))
+        return None
 
     def bound(self, run_id: str, adapter: Adapter, info: RequestInfo) -> int:
         last = self._runs.get(run_id)
@@ -81,6 +90,11 @@ class ConversationMemory:
 
     def remember(self, run_id: str, info: RequestInfo, usage: Usage, response: ResponseInfo) -> None:
         """A call settled with the provider's own usage: keep what the next call can build on."""
+        if response.response_id and info.stored_context != "server-side":
+            self._responses[response.response_id] = usage.input_tokens + usage.output_tokens
+            self._responses.move_to_end(response.response_id)
+            if len(self._responses) > self.limit:
+                self._responses.popitem(last=False)
         if not info.context or not info.history:
             return
         digests = [_digest(item) for item in info.history]

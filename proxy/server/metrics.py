@@ -42,8 +42,13 @@ _LATENCY_BUCKETS = (
 _LEDGER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25)
 
 
+# Model names come from clients and upstreams: bound the label values (and so the series).
+MAX_MODEL_LABELS = 200
+
+
 class Metrics:
     def __init__(self) -> None:
+        self._models: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -95,9 +100,17 @@ class Metrics:
     def ledger_op(self, op: str, seconds: float) -> None:
         self.ledger_latency.labels(op).observe(seconds)
 
+    def _model(self, model: str) -> str:
+        if model in self._models:
+            return model
+        if len(self._models) < MAX_MODEL_LABELS:
+            self._models.add(model)
+            return model
+        return "other"
+
     def settled(self, flow: Flow, s: Settlement) -> None:
-        model = (flow.response_info.model if flow.response_info else "") or (
-            flow.info.model if flow.info else ""
+        model = self._model(
+            (flow.response_info.model if flow.response_info else "") or (flow.info.model if flow.info else "")
         )
         usage = flow.usage
         if usage is not None:

@@ -30,12 +30,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from proxy.caps import RunRequest, parse_run_headers
 from proxy.config import Config, ToolConfig
 from proxy.errors import (
     DeadlineExceeded,
+    InvalidRequest,
     NotFound,
     PayloadTooLarge,
     Rejection,
@@ -46,6 +46,7 @@ from proxy.errors import (
 from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
 from proxy.ledger.base import IdempotencyRecord, Ledger, RunState, ToolCallRequest
 from proxy.server.flow import Flights
+from proxy.server.headers import request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
 from proxy.server.trace import run_snapshot
@@ -57,14 +58,6 @@ log = logging.getLogger("runcap.tools")
 SIDE_EFFECT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # Response headers worth replaying with a recorded outcome.
 RECORDED_HEADERS = ("content-type",)
-_HOP_BY_HOP = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-    }
-)  # fmt: skip
-_DROP_REQUEST = _HOP_BY_HOP | {"accept-encoding", "idempotency-key"}
-_DROP_RESPONSE = _HOP_BY_HOP | {"content-encoding"}
 _OUTCOME = {DeadlineExceeded: "deadline_exceeded", RunCancelled: "cancelled", ToolTimeout: "timeout"}
 
 
@@ -186,6 +179,13 @@ class ToolGateway:
         tail = request.match_info.get("tail", "")
         call.args_hash = args_hash(body)
         if has_side_effects(tool, request.method):
+            if run.generated:
+                # A generated run id is new every time: no repeat could ever be recognised.
+                raise InvalidRequest(
+                    f"X-Run-Id: required on calls to side-effecting tool {tool.name!r} — the "
+                    "idempotency key is namespaced by the run, so without one a retry would execute again",
+                    param="X-Run-Id",
+                )
             call.key = run.idempotency_key or derive_key(
                 run.run_id, tool, request.method, tail, request.query_string, body, run.operation_id
             )
@@ -202,7 +202,15 @@ class ToolGateway:
             if start.action == "replay":
                 assert start.record is not None
                 return self._replay(call, start.record, start.state)
-            return await self._execute(request, call, tool, tail, body, start.state)
+            try:
+                return await self._execute(request, call, tool, tail, body, start.state)
+            except (Rejection, asyncio.CancelledError):
+                raise
+            except Exception:
+                # Anything unforeseen after the intent was recorded: the outcome is unknown, and
+                # saying so (409 until reconciled) beats a record left in flight for ever.
+                await self._unknown(call, "runcap failed during the call")
+                raise
         except asyncio.CancelledError:
             if call.cut_reason != "cancel":
                 raise  # shutting down
@@ -262,11 +270,7 @@ class ToolGateway:
             timeout = tool.timeout_s
         by_deadline = remaining is not None and timeout == remaining
 
-        headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in request.headers.items():
-            lower = name.lower()
-            if lower not in _DROP_REQUEST and not lower.startswith("x-run-"):
-                headers.add(name, value)
+        headers = request_headers(request.headers, ("idempotency-key",))
         for name, value in tool.headers.items():
             headers[name] = value
         headers["X-Run-Id"] = run.run_id
@@ -326,12 +330,14 @@ class ToolGateway:
                     await self.ledger.resolve_tool_call(
                         run.run_id, call.key, done=False, now=time.time(), force=True
                     )
-                raise UpstreamUnavailable(f"tool {tool.name!r} ({tool.url}) is unreachable: {e}") from None
+                raise UpstreamUnavailable(
+                    f"tool {tool.name!r} ({tool.display_url}) is unreachable: {e}"
+                ) from None
             except (aiohttp.ClientError, OSError) as e:
                 await self._unknown(call, f"connection failed: {type(e).__name__}")
                 raise UpstreamUnavailable(
-                    f"tool {tool.name!r} ({tool.url}) failed during the call: {type(e).__name__}: {e}; "
-                    "it may or may not have taken effect"
+                    f"tool {tool.name!r} ({tool.display_url}) failed during the call: "
+                    f"{type(e).__name__}: {e}; it may or may not have taken effect"
                 ) from None
         finally:
             if upstream is not None:
@@ -368,10 +374,7 @@ class ToolGateway:
                 )
             )
             event.set()
-        out: CIMultiDict[str] = CIMultiDict()
-        for name, value in upstream.headers.items():
-            if name.lower() not in _DROP_RESPONSE:
-                out.add(name, value)
+        out = response_headers(upstream.headers)
         out.update(tool_run_headers(state, time.time()))
         if call.key is not None:
             out["Idempotency-Key"] = call.key

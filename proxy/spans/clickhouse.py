@@ -37,6 +37,7 @@ from uuid import UUID
 import clickhouse_connect
 from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 
+from proxy.config import redact_url
 from proxy.spans.migrate import apply_migrations
 from proxy.spans.model import RunSnapshot, Span
 from proxy.spans.sink import SinkError
@@ -225,11 +226,21 @@ def open_span_store(url: str | None, data_dir: str | Path, database: str = "runc
     return _open_embedded(Path(data_dir) / EMBEDDED_SUBDIR, database)
 
 
+# Limits on every read-only query (/admin/sql, the CLI, dashboards through runcap).
+QUERY_LIMITS = {
+    "max_execution_time": 60,
+    "max_memory_usage": 2_000_000_000,
+    "max_result_rows": 1_000_000,
+    "max_result_bytes": 512_000_000,
+    "result_overflow_mode": "throw",
+}
+
+
 def _open_server(url: str, database: str) -> ClickHouseSink:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SpanStoreError(
-            f"RUNCAP_CLICKHOUSE_URL must look like http(s)://user:pass@host:8123/db, got {_redact(url)!r}"
+            f"RUNCAP_CLICKHOUSE_URL must look like http(s)://user:pass@host:8123/db, got {redact_url(url)!r}"
         )
     database = unquote(parts.path.strip("/").split("/")[0]) or database
     common = {
@@ -241,13 +252,15 @@ def _open_server(url: str, database: str) -> ClickHouseSink:
         # one client is shared by the pipeline thread and request handlers: no HTTP session state
         "autogenerate_session_id": False,
     }
-    location = _redact(url)
+    location = redact_url(url)
     try:
         # The database may not exist yet, so connect without it and qualify every table name.
         writer = clickhouse_connect.get_client(**common)
         apply_migrations(writer, database)
+        # readonly=2: clickhouse-connect sets settings per request over HTTP, which readonly=1
+        # forbids; what files or URLs a query may read is the server's own access control.
         reader = clickhouse_connect.get_client(
-            **common, database=database, settings={"readonly": 2}, tz_mode="aware"
+            **common, database=database, settings={"readonly": 2, **QUERY_LIMITS}, tz_mode="aware"
         )
     except Exception as ex:
         raise SpanStoreError(
@@ -272,9 +285,16 @@ def _open_embedded(path: Path, database: str) -> ClickHouseSink:
         apply_migrations(writer, database)
         # A second handle on the same engine, read-only for the whole session: a SETTINGS clause
         # per query would not do, since clickhouse-connect applies some statements' settings to
-        # the chdb session with SET, and readonly cannot be unset again.
+        # the chdb session with SET, and readonly cannot be unset again. readonly=1, not 2: the
+        # engine runs inside runcap, so table functions (file(), url(): runcap's environment,
+        # its network) must stay out of reach of /admin/sql; and bounded, since a runaway query
+        # would take runcap's own memory and CPU.
         reader = clickhouse_connect.get_client(
-            interface="chdb", path=str(path), database=database, chdb_options={"readonly": 2}, tz_mode="aware"
+            interface="chdb",
+            path=str(path),
+            database=database,
+            chdb_options={"readonly": 1, **QUERY_LIMITS},
+            tz_mode="aware",
         )
     except Exception as ex:
         if writer is not None:
@@ -306,11 +326,3 @@ def _jsonable(value: Any) -> Any:
 
 def _quote_identifier(name: str) -> str:
     return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        parts = parts._replace(netloc=netloc)
-    return parts.geturl()

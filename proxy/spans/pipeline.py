@@ -301,19 +301,26 @@ class SpanPipeline:
         entries = self._overflow.peek_many(self._batch_size)
         if not entries:
             return False
+        # Decode before claiming: a record that never decodes is set aside only once it is the
+        # oldest (acknowledgements go in order), and the good ones before it go first.
+        parts = []
+        for i, entry in enumerate(entries):
+            try:
+                parts.append(decode_batch(entry.body))
+            except SpoolRecordError as exc:
+                if i == 0:
+                    self._overflow.quarantine(entry, str(exc))
+                    return True
+                entries = entries[:i]
+                break
         self._overflow.sync()
         self._overflow.claim(entries)
         # The id is a hash of the records, so a crash between spooling and acknowledging yields
         # the same batch id again on replay, and the sinks' dedup drops the repeat.
         digest = hashlib.sha256()
         batch = Batch("")
-        for entry in entries:
+        for entry, part in zip(entries, parts, strict=False):
             digest.update(entry.body)
-            try:
-                part = decode_batch(entry.body)
-            except SpoolRecordError as exc:
-                self._overflow.quarantine(entry, str(exc))
-                return True
             batch.spans.extend(part.spans)
             batch.runs.extend(part.runs)
             batch.payloads.extend(part.payloads)

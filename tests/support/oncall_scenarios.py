@@ -145,9 +145,12 @@ class RunSeen:
     task: str
     steps: list[StepSeen] = field(default_factory=list)
     refusals: list[tuple[int, str]] = field(default_factory=list)  # (HTTP status, error code)
+    # A call cut mid-flight (deadline) is charged what it reserved: the agent sees no usage for
+    # it, so the run's own state (GET /runs/{id}) says what it cost.
+    cut_charge: Decimal = Decimal(0)
 
     def cost(self, prices: PriceBook) -> Decimal:
-        return sum((step_cost(prices, s) for s in self.steps), Decimal(0))
+        return sum((step_cost(prices, s) for s in self.steps), Decimal(0)) + self.cut_charge
 
 
 def step_cost(prices: PriceBook, s: StepSeen) -> Decimal:
@@ -210,6 +213,10 @@ class Agent:
                 body = e.body if isinstance(e.body, dict) else {}
                 err = body.get("error", body) if isinstance(body, dict) else {}
                 seen.refusals.append((e.status_code, str(err.get("code") or err.get("type"))))
+                if e.status_code == 504:
+                    with urllib.request.urlopen(f"{self.base}/runs/{seen.run_id}", timeout=10) as r:
+                        ledger = Decimal(json.loads(r.read())["cost_usd"])
+                    seen.cut_charge = ledger - seen.cost(PriceBook())
                 return seen
             resp = raw.parse()
             seen.steps.append(StepSeen(int(raw.headers["x-run-step"]), model, _usage(resp.usage)))
@@ -291,8 +298,10 @@ def play(base: str, prefix: str, admin_token: str | None = None) -> Facts:
         toolcap = agent.run(
             "toolcap", "triage", "wanderer", {"X-Run-Max-Tool-Calls": "1"}, max_calls=3, keep_writing=True
         )
-        agent.tool(toolcap.run_id, "refund", {"order_id": "C9", "amount": 1})  # 402 max_tool_calls
-        agent.run("deadline", "triage", "slow", {"X-Run-Timeout": "0.3"})
+        # Executing the call the model requested is not a second use of the cap; another is.
+        agent.tool(toolcap.run_id, "refund", {"order_id": "C9", "amount": 1})  # executes
+        agent.tool(toolcap.run_id, "refund", {"order_id": "C10", "amount": 1})  # 402 max_tool_calls
+        agent.run("deadline", "triage", "slow", {"X-Run-Timeout": "0.3"}, max_tokens=16)
         cancel = agent.run("cancel", "triage", "answer")
         agent.cancel(cancel.run_id)
         agent.run("cancel", "triage", "answer", seen=cancel)  # refused: 410
