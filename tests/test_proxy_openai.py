@@ -200,3 +200,23 @@ async def test_upstream_api_key_replaces_agent_credentials(runcap_factory, upstr
     c = openai.AsyncOpenAI(base_url=f"{rc.url}/u/local/v1", api_key="sk-agent")
     await c.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}])
     assert upstream.last.header("authorization") == "Bearer sk-operator"
+
+
+async def test_connection_listed_headers_are_not_forwarded(runcap, upstream):  # type: ignore[no-untyped-def]
+    import aiohttp
+
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}
+    h = {
+        "Connection": "keep-alive, X-Hop-Secret",
+        "X-Hop-Secret": "1",
+        "X-End-To-End": "2",
+        "X-Run-Task": "t",
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{runcap.openai_url}/chat/completions", json=body, headers=h) as r,
+    ):
+        assert r.status == 200
+    seen = upstream.last
+    assert seen.header("x-hop-secret") is None and seen.header("x-run-task") is None
+    assert seen.header("x-end-to-end") == "2"
