@@ -18,6 +18,7 @@ Retention: idempotency records, and runs without reservations, not updated for
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -25,6 +26,7 @@ import os
 import secrets
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from proxy.caps import RunCaps
@@ -186,34 +188,40 @@ class SQLiteLedger(Ledger):
     def _save(self, state: RunState) -> None:
         self._db.execute(_UPSERT, _state_to_row(state))
 
-    async def begin_step(self, req: StepRequest) -> Reservation:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT. A `Rejection` commits too (the run's new status, or the
+        record turned unknown, is part of the answer); any other error rolls back."""
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
+            yield db
+        except Rejection:
+            db.execute("COMMIT")
+            raise
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        else:
+            db.execute("COMMIT")
+
+    async def begin_step(self, req: StepRequest) -> Reservation:
+        with self._transaction() as db:
             state = self._load(req.run_id) or new_run(req.run_id, req.task, req.caps, req.now)
             try:
                 res = decide_step(state, req)
-            except Rejection:
-                self._save(state)
-                db.execute("COMMIT")
-                raise
-            self._save(state)
+            finally:
+                self._save(state)  # a rejection changed the run's status too
             db.execute(
                 "INSERT INTO reservations (id, run_id, owner, usd, input_tokens, output_tokens, created_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (res.id, res.run_id, self.owner, res.usd_nanos, res.input_tokens, res.output_tokens, req.now),
             )
-            db.execute("COMMIT")
             return res
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             gone = (
                 db.execute(
                     "DELETE FROM reservations WHERE owner = ? AND id = ?", (self.owner, reservation.id)
@@ -231,17 +239,10 @@ class SQLiteLedger(Ledger):
             else:
                 apply_settlement(state, reservation, settlement, now)
                 self._save(state)
-            db.execute("COMMIT")
             return state
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             state = self._load(run_id)
             if state is None:
                 state = new_run(run_id, task, caps, now)
@@ -251,12 +252,7 @@ class SQLiteLedger(Ledger):
                 check_live(state, now)
             finally:
                 self._save(state)
-                db.execute("COMMIT")
             return state
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     async def get_run(self, run_id: str) -> RunState | None:
         return self._load(run_id)
@@ -270,9 +266,7 @@ class SQLiteLedger(Ledger):
     def _update(
         self, run_id: str, now: float, *, cancel: bool = False, status: str | None = None
     ) -> RunState:
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             state = self._load(run_id) or new_run(run_id, "", RunCaps(), now)
             if cancel:
                 state.cancelled = True
@@ -281,12 +275,7 @@ class SQLiteLedger(Ledger):
                 state.status = status
             state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
             self._save(state)
-            db.execute("COMMIT")
             return state
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     async def recover(self) -> list[RecoveredReservation]:
         owners = [
@@ -320,9 +309,7 @@ class SQLiteLedger(Ledger):
     def purge(self, now: float) -> int:
         """Delete idempotency records and idle runs older than the retention."""
         cutoff = now - self.retention_s
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             n = db.execute(
                 "DELETE FROM tool_calls WHERE updated_at < ? AND state != 'in_flight'", (cutoff,)
             ).rowcount
@@ -330,18 +317,11 @@ class SQLiteLedger(Ledger):
                 "DELETE FROM runs WHERE updated_at < ? AND run_id NOT IN (SELECT run_id FROM reservations)",
                 (cutoff,),
             ).rowcount
-            db.execute("COMMIT")
             return n
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     def _settle_owner(self, owner: str) -> list[RecoveredReservation]:
-        db = self._db
         now = time.time()
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             rows = db.execute(
                 "SELECT id, run_id, usd, input_tokens, output_tokens FROM reservations WHERE owner = ?",
                 (owner,),
@@ -364,12 +344,7 @@ class SQLiteLedger(Ledger):
                     "run %s: tool call %s (%s) was in flight in a process that died; its outcome is "
                     "unknown until reconciled (runcap reconcile)", run_id, key, tool,
                 )  # fmt: skip
-            db.execute("COMMIT")
             return out
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     async def ping(self) -> None:
         self._db.execute("SELECT 1").fetchone()
@@ -398,9 +373,7 @@ class SQLiteLedger(Ledger):
         return False
 
     async def begin_tool_call(self, req: ToolCallRequest) -> ToolCallStart:
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             state = self._load(req.run_id) or new_run(req.run_id, req.task, req.caps, req.now)
             record = self._load_record(req.run_id, req.key) if req.key is not None else None
             alive = record is not None and record.state == IN_FLIGHT and self._owner_alive(record.owner)
@@ -408,19 +381,13 @@ class SQLiteLedger(Ledger):
                 start = decide_tool_call(state, record, req, self.owner, alive)
             except Rejection:
                 self._save(state)
-                if record is not None:
+                if record is not None:  # e.g. a dead owner's in-flight record, now unknown
                     db.execute(_TOOL_UPSERT, _record_to_row(record))
-                db.execute("COMMIT")
                 raise
             self._save(state)
             if start.action == "execute" and start.record is not None:
                 db.execute(_TOOL_UPSERT, _record_to_row(start.record))
-            db.execute("COMMIT")
             return start
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     async def complete_tool_call(
         self, run_id: str, key: str, status: int, headers: dict[str, str], body: bytes, now: float
@@ -469,15 +436,11 @@ class SQLiteLedger(Ledger):
         body: bytes = b"",
         force: bool = False,
     ) -> IdempotencyRecord | None:
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             record = self._load_record(run_id, key)
             if record is None:
-                db.execute("COMMIT")
                 return None
             if record.state != UNKNOWN and not force:
-                db.execute("COMMIT")
                 raise RecordNotUnknown(record)
             if done:
                 db.execute(
@@ -493,12 +456,7 @@ class SQLiteLedger(Ledger):
                     state.tool_calls_executed -= 1
                     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
                     self._save(state)
-            db.execute("COMMIT")
             return record
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     async def close(self) -> None:
         self._db.close()
