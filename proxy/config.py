@@ -44,6 +44,9 @@ class UpstreamConfig:
     url: str  # scheme://host[:port][/base-path], no trailing slash
     flavor: str  # wire format family: "openai" (and OpenAI-compatible) or "anthropic"
     api_key: str | None = None  # resolved from api_key_env; replaces the agent's credentials
+    # Write `max_tokens` rather than `max_completion_tokens` when runcap sets an output limit the
+    # client did not: OpenAI-compatible servers (vLLM, Ollama, ...) know the older field.
+    legacy_output_limit: bool = False
 
     @property
     def display_url(self) -> str:
@@ -333,7 +336,7 @@ def _join(where: str, key: str) -> str:
 
 def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> UpstreamConfig:
     where = f"upstreams.{name}"
-    _only(section, where, {"url", "flavor", "api_key_env"})
+    _only(section, where, {"url", "flavor", "api_key_env", "output_limit_field"})
     url = _str(section, where, "url")
     if not url:
         if name in DEFAULT_UPSTREAMS:
@@ -351,7 +354,14 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
         api_key = env.get(key_env)
         if not api_key:
             raise ConfigError(f"{where}.api_key_env: environment variable {key_env} is not set")
-    return UpstreamConfig(name, url.rstrip("/"), flavor, api_key)
+    field_name = _str(
+        section, where, "output_limit_field", "max_completion_tokens" if name == "openai" else "max_tokens"
+    )
+    if field_name not in ("max_tokens", "max_completion_tokens"):
+        raise ConfigError(
+            f"{where}.output_limit_field: expected max_tokens or max_completion_tokens, got {field_name!r}"
+        )
+    return UpstreamConfig(name, url.rstrip("/"), flavor, api_key, field_name == "max_tokens")
 
 
 def _tool(name: str, section: Mapping[str, Any]) -> ToolConfig:

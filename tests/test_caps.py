@@ -330,3 +330,27 @@ async def test_previous_response_id_is_bounded_by_what_it_stored(runcap, upstrea
         )
     assert e.value.status_code == 402 and err(e.value)["code"] == "max_usd"
     assert "1000" in err(e.value)["message"] and upstream.hits() == hits
+
+
+async def test_injected_output_limit_field_per_upstream(runcap_factory, upstream):  # type: ignore[no-untyped-def]
+    """A capped call without an output limit gets one: `max_completion_tokens` for OpenAI,
+    `max_tokens` (the field OpenAI-compatible servers know) for other upstreams, unless configured."""
+    rc = await runcap_factory(
+        {"upstreams": {"vllm": {"url": upstream.url, "output_limit_field": "max_completion_tokens"}}}
+    )
+    h = {"X-Run-Max-Usd": "1"}
+    sent = {}
+    for base in ("v1", "u/local/v1", "u/vllm/v1"):
+        c = openai.AsyncOpenAI(base_url=f"{rc.url}/{base}", api_key="k")
+        await c.chat.completions.create(model="gpt-4o-mini", messages=USER, extra_headers=h)
+        body = upstream.last.body
+        sent[base] = sorted(k for k in ("max_tokens", "max_completion_tokens") if k in body)
+    assert sent == {
+        "v1": ["max_completion_tokens"],
+        "u/local/v1": ["max_tokens"],
+        "u/vllm/v1": ["max_completion_tokens"],
+    }
+    from proxy.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=r"upstreams\.x\.output_limit_field"):
+        build_config({"upstreams": {"x": {"url": "http://h", "output_limit_field": "max"}}}, {})

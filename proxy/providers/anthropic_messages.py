@@ -326,7 +326,7 @@ class MessagesAdapter:
             return bound, None
         return bound, _blocks_turn(item.get("content"))
 
-    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
+    def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         body["max_tokens"] = limit
         # Extended thinking must keep 1024 <= budget_tokens < max_tokens, or the call is a 400.
         thinking = body.get("thinking")

@@ -122,8 +122,10 @@ class Adapter(Protocol):
 
     def parse_request(self, body: dict[str, Any]) -> RequestInfo: ...
 
-    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
-        """Set the output-token limit in the request body (the field this format uses)."""
+    def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
+        """Set the output-token limit in the request body (the field this format uses).
+        `legacy_field`: when the client set none, write the older field (OpenAI chat's
+        `max_tokens`), the one OpenAI-compatible servers know."""
 
     def strip_tools(self, body: dict[str, Any]) -> None:
         """Make the request answer-only: the model cannot request a tool."""

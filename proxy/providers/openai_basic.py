@@ -86,7 +86,7 @@ class CompletionsAdapter:
             client_wants_stream_usage=stream and wants_stream_usage(body),
         )
 
-    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
+    def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         # `limit` bounds the whole call: every prompt times n (or best_of) generations share it.
         _, prompts = _prompts(body, "prompt")
         body["max_tokens"] = max(1, limit // _generations(body, prompts))
@@ -121,7 +121,7 @@ class EmbeddingsAdapter:
         bound, _ = _prompts(body, "input")
         return RequestInfo(model=model_field(body), input_token_bound=BASE_OVERHEAD + bound)
 
-    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
+    def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         """Embeddings produce no output tokens."""
 
     def strip_tools(self, body: dict[str, Any]) -> None:

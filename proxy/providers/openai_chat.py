@@ -296,11 +296,13 @@ class ChatCompletionsAdapter:
             return bound, None
         return bound, _message_turn(item)
 
-    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
+    def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         # `limit` bounds the whole call; with n > 1 each choice gets its share.
         per_choice = max(1, limit // choices_count(body))
-        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = per_choice  # keep the client's (legacy) field: older servers
+        client_legacy = body.get("max_tokens") is not None and body.get("max_completion_tokens") is None
+        if client_legacy or (legacy_field and body.get("max_completion_tokens") is None):
+            # The client's (legacy) field, or the one an OpenAI-compatible server knows.
+            body["max_tokens"] = per_choice
         else:
             body["max_completion_tokens"] = per_choice
             if body.get("max_tokens") is not None:

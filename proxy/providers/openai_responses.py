@@ -238,7 +238,7 @@ class ResponsesAdapter:
             stored_context=stored,
         )
 
-    def set_output_limit(self, body: dict[str, Any], limit: int) -> None:
+    def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         body["max_output_tokens"] = limit
 
     def strip_tools(self, body: dict[str, Any]) -> None:

@@ -105,7 +105,9 @@ class BudgetStep:
         body = flow.body_json
         assert body is not None
         if res.output_limit is not None:
-            flow.adapter.set_output_limit(body, res.output_limit)
+            flow.adapter.set_output_limit(
+                body, res.output_limit, legacy_field=flow.upstream.legacy_output_limit
+            )
             flow.body_changed = True
             if res.clamped:
                 flow.clamped_to = res.output_limit
