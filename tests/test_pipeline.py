@@ -4,6 +4,7 @@ overflow, restart after a crash (torn record), graceful close, and the hot path'
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -204,7 +205,8 @@ def test_restart_replays_spool_with_original_batch_ids(tmp_path: Path) -> None:
     pipe = SpanPipeline([first], None, tmp_path, batch_size=4, **FAST)
     pipe.start()
     spans = [make_span(i) for i in range(10)]
-    runs = [make_run(i) for i in range(3)]
+    # Three runs (snapshots of one run in one batch are coalesced to the newest: see below).
+    runs = [dataclasses.replace(make_run(i), run_id=f"run-{i}") for i in range(3)]
     for s in spans:
         pipe.submit_span(s)
     for r in runs:
@@ -462,10 +464,10 @@ def test_payloads_spool_while_store_fails(tmp_path: Path) -> None:
     class FlakyStore(LocalPayloadStore):
         down = True
 
-        def put(self, payload: Payload) -> None:
+        def put_many(self, payloads: Sequence[Payload]) -> list[tuple[Payload, str]]:
             if self.down:
                 raise OSError("disk unplugged")
-            super().put(payload)
+            return super().put_many(payloads)
 
     store = FlakyStore(tmp_path / "payloads", fsync=False)
     sink = ListSink("a")
@@ -606,3 +608,18 @@ def test_undecodable_overflow_record_behind_a_good_one_is_set_aside_once(tmp_pat
     assert [s.span_id for s in sink.spans] == [first.span_id]
     dead = list((tmp_path / OVERFLOW_DIR / "dead").glob("*.seg"))
     assert len(dead) == 1 and dead[0].stat().st_size < 200
+
+
+def test_a_batch_keeps_the_newest_snapshot_of_each_run_and_each_body_once(tmp_path: Path) -> None:
+    sink = ListSink("ch")
+    store = LocalPayloadStore(tmp_path / "payloads", fsync=False)
+    pipe = SpanPipeline([sink], store, tmp_path / "spool", batch_size=100, flush_interval_s=0.05)
+    pipe.start()
+    for i in (0, 2, 1):  # out of order: the newest by updated_at wins, not the last submitted
+        pipe.submit_run(make_run(i))
+    body = b'{"same": "body"}'
+    for _ in range(3):
+        pipe.submit_payload(Payload(hashlib.sha256(body).hexdigest(), body))
+    pipe.close()
+    assert sink.runs == [make_run(2)]
+    assert store.get(hashlib.sha256(body).hexdigest()) == body

@@ -5,6 +5,10 @@ names fixed in DESIGN.md; the pipeline ships these objects unchanged to every si
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import random
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,15 +36,20 @@ RUN_STATUSES = (
 )
 
 
+# Span ids need to be unique and random-looking (W3C/OpenTelemetry), not secret: a PRNG seeded
+# from the OS, re-seeded in a forked child, instead of a getrandom() syscall per span.
+_ids = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _ids.seed(secrets.randbits(128)))
+
+
 def new_span_id() -> str:
-    return secrets.token_hex(8)
+    return f"{_ids.getrandbits(64) or 1:016x}"
 
 
+@functools.lru_cache(maxsize=65536)
 def trace_id_for_run(run_id: str) -> str:
     """One OpenTelemetry trace per run: the trace id is derived from the run id, so every replica
     (and every restart) puts the run's spans in the same trace without coordination."""
-    import hashlib
-
     return hashlib.sha256(b"runcap-trace:" + run_id.encode()).hexdigest()[:32]
 
 

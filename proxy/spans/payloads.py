@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,16 +117,47 @@ class LocalPayloadStore:
         return self.directory / payload_key(sha256, self.prefix)
 
     def put(self, payload: Payload) -> None:
-        sha256 = _checked_hash(payload)
-        path = self.path(sha256)
-        if path.exists():  # same hash, same bytes: nothing to do
-            return
-        stored, encoding = _encode(payload.data, self._compress, self._min_compress_bytes)
-        meta = {"encoding": encoding, "size": len(payload.data), "content_type": payload.content_type}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # sidecar first: whoever sees the data file also finds its encoding
-        self._write_atomic(_meta_path(path), orjson.dumps(meta))
-        self._write_atomic(path, stored)
+        rejected = self.put_many([payload])
+        if rejected:
+            raise ValueError(rejected[0][1])
+
+    def put_many(self, payloads: Sequence[Payload]) -> list[tuple[Payload, str]]:
+        """Store a batch: each file written to a temp name (fsync'd when `fsync`) and renamed
+        into place, sidecar first. Returns the payloads that can never be stored (wrong hash),
+        with the reason."""
+        rejected: list[tuple[Payload, str]] = []
+        moves: list[tuple[Path, Path]] = []
+        seen: set[Path] = set()
+        try:
+            for payload in payloads:
+                try:
+                    sha256 = _checked_hash(payload)
+                except ValueError as exc:
+                    rejected.append((payload, str(exc)))
+                    continue
+                path = self.path(sha256)
+                if path in seen or path.exists():  # same hash, same bytes: nothing to do
+                    continue
+                seen.add(path)
+                stored, encoding = _encode(payload.data, self._compress, self._min_compress_bytes)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if encoding != IDENTITY or payload.content_type:
+                    # sidecar first: whoever sees the data file also finds its encoding (no
+                    # sidecar: identity, no content type — one file less per body)
+                    meta = {
+                        "encoding": encoding,
+                        "size": len(payload.data),
+                        "content_type": payload.content_type,
+                    }
+                    moves.append((self._write_tmp(_meta_path(path), orjson.dumps(meta)), _meta_path(path)))
+                moves.append((self._write_tmp(path, stored), path))
+            for tmp, final in moves:
+                os.replace(tmp, final)
+            moves = []
+        finally:
+            for tmp, _ in moves:
+                tmp.unlink(missing_ok=True)
+        return rejected
 
     def get(self, sha256: str) -> bytes:
         path = self.path(sha256)
@@ -146,7 +178,7 @@ class LocalPayloadStore:
         except FileNotFoundError:
             raise KeyError(sha256) from None
 
-    def _write_atomic(self, path: Path, data: bytes) -> None:
+    def _write_tmp(self, path: Path, data: bytes) -> Path:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
             with open(tmp, "wb") as fh:
@@ -154,10 +186,10 @@ class LocalPayloadStore:
                 if self._fsync:
                     fh.flush()
                     os.fsync(fh.fileno())
-            os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        return tmp
 
     def close(self) -> None:
         pass
@@ -224,6 +256,15 @@ class S3PayloadStore:
 
     def key(self, sha256: str) -> str:
         return payload_key(sha256, self.prefix)
+
+    def put_many(self, payloads: Sequence[Payload]) -> list[tuple[Payload, str]]:
+        rejected: list[tuple[Payload, str]] = []
+        for payload in payloads:
+            try:
+                self.put(payload)
+            except ValueError as exc:
+                rejected.append((payload, str(exc)))
+        return rejected
 
     def put(self, payload: Payload) -> None:
         from botocore.exceptions import BotoCoreError, ClientError

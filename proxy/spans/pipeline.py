@@ -284,15 +284,23 @@ class SpanPipeline:
         batch = Batch(new_batch_id())
         size = 0
         queue = self._queue
+        # A run's snapshots only matter by their newest (runcap.runs is read by argMax(updated_at)),
+        # and a body is stored once per hash: a batch carries each once.
+        runs: dict[str, RunSnapshot] = {}
+        payloads: dict[str, Payload] = {}
         for _ in range(min(self._batch_size, len(queue))):
             record = queue.popleft()
             if isinstance(record, Span):
                 batch.spans.append(record)
             elif isinstance(record, RunSnapshot):
-                batch.runs.append(record)
+                seen = runs.get(record.run_id)
+                if seen is None or record.updated_at >= seen.updated_at:
+                    runs[record.run_id] = record
             else:
-                batch.payloads.append(record)
+                payloads[record.sha256] = record
                 size += len(record.data)
+        batch.runs = list(runs.values())
+        batch.payloads = list(payloads.values())
         self._bytes_out += size
         return batch
 
@@ -387,14 +395,10 @@ def _span_delivery(sink: SpanSink) -> Callable[[Batch], int]:
 
 def _payload_delivery(store: PayloadStore) -> Callable[[Batch], int]:
     def deliver(batch: Batch) -> int:
-        rejected = 0
-        for payload in batch.payloads:
-            try:
-                store.put(payload)
-            except ValueError as exc:  # wrong hash, bad key: retrying cannot fix it
-                rejected += 1
-                log.error("payload store %s rejected payload %.16s: %s", store.name, payload.sha256, exc)
-        return rejected
+        rejected = store.put_many(batch.payloads)
+        for payload, reason in rejected:  # wrong hash, bad key: retrying cannot fix it
+            log.error("payload store %s rejected payload %.16s: %s", store.name, payload.sha256, reason)
+        return len(rejected)
 
     return deliver
 

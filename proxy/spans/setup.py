@@ -52,7 +52,12 @@ def open_span_system(config: Config, **pipeline_options: Any) -> SpanSystem:
         sinks.append(OTLPSink(config.otlp_endpoint))
     payloads = None
     if config.payloads != "off":
-        payloads = open_payload_store(config.s3_url, config.data_dir)
+        # Local payload files are written the way ClickHouse writes its parts (no fsync per
+        # file: they survive a crash of runcap, not of the machine) — an fsync per body was most
+        # of what tracing cost a call. The spool, which holds what a store could not take yet,
+        # is fsync'd.
+        options = {} if config.s3_url else {"fsync": False}
+        payloads = open_payload_store(config.s3_url, config.data_dir, **options)
     # Large batches: a ClickHouse insert costs ~13 ms whatever its size (bench/span_bench.py:
     # ~11k spans/s at 500 per batch, ~24k at 5,000); at low load the flush interval cuts them.
     pipeline_options.setdefault("batch_size", 5000)

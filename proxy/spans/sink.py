@@ -33,6 +33,10 @@ class PayloadStore(Protocol):
     def put(self, payload: Payload) -> None:
         """Store bytes under their sha256; storing the same hash again is a no-op."""
 
+    def put_many(self, payloads: Sequence[Payload]) -> list[tuple[Payload, str]]:
+        """Store a batch (a store may make it durable once for all of it); return the payloads
+        that can never be stored, with the reason. Raises when the store is unavailable."""
+
     def get(self, sha256: str) -> bytes:
         """Return the exact bytes stored (decompressed); KeyError when absent."""
 
