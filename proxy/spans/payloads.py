@@ -112,6 +112,8 @@ class LocalPayloadStore:
         self._compress = compress
         self._min_compress_bytes = min_compress_bytes
         self._fsync = fsync
+        self._dirs: set[Path] = set()
+        self._recent: OrderedDict[str, None] = OrderedDict()  # hashes stored lately, oldest first
 
     def path(self, sha256: str) -> Path:
         return self.directory / payload_key(sha256, self.prefix)
@@ -136,11 +138,14 @@ class LocalPayloadStore:
                     rejected.append((payload, str(exc)))
                     continue
                 path = self.path(sha256)
-                if path in seen or path.exists():  # same hash, same bytes: nothing to do
+                # same hash, same bytes: nothing to do (recent hashes are known without a stat)
+                if path in seen or sha256 in self._recent or path.exists():
                     continue
                 seen.add(path)
                 stored, encoding = _encode(payload.data, self._compress, self._min_compress_bytes)
-                path.parent.mkdir(parents=True, exist_ok=True)
+                if path.parent not in self._dirs:  # 256 directories: made once, not per body
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    self._dirs.add(path.parent)
                 if encoding != IDENTITY or payload.content_type:
                     # sidecar first: whoever sees the data file also finds its encoding (no
                     # sidecar: identity, no content type — one file less per body)
@@ -154,6 +159,10 @@ class LocalPayloadStore:
             for tmp, final in moves:
                 os.replace(tmp, final)
             moves = []
+            for path in seen:
+                self._recent[path.name] = None
+            while len(self._recent) > 10_000:
+                self._recent.popitem(last=False)
         finally:
             for tmp, _ in moves:
                 tmp.unlink(missing_ok=True)
