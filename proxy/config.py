@@ -88,8 +88,6 @@ class CapsConfig:
     min_output_tokens: int = 16
     # Output bound for a call that sets no limit on a model whose maximum output is unknown.
     default_output_tokens: int = 16384
-    # Input-token bound for each image/file referenced by URL or id (its bytes are not here).
-    media_token_bound: int = 6000
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +394,7 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
         f"{kind}_{cap}"
         for kind in ("default", "ceiling")
         for cap in ("max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s")
-    } | {"allow_unpriced", "min_output_tokens", "default_output_tokens", "media_token_bound"}
+    } | {"allow_unpriced", "min_output_tokens", "default_output_tokens"}
     _only(section, where, allowed)
     values: dict[str, Any] = {}
     for kind in ("default", "ceiling"):
@@ -409,7 +407,6 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
     values["allow_unpriced"] = _bool(section, where, "allow_unpriced", False)
     values["min_output_tokens"] = _int(section, where, "min_output_tokens", minimum=1, default=16)
     values["default_output_tokens"] = _int(section, where, "default_output_tokens", minimum=1, default=16384)
-    values["media_token_bound"] = _int(section, where, "media_token_bound", minimum=1, default=6000)
     return CapsConfig(**values)
 
 

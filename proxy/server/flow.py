@@ -124,6 +124,3 @@ class Flights:
 
     def run_ids(self) -> list[str]:
         return list(self._by_run)
-
-    def count(self) -> int:
-        return sum(len(t) for t in self._by_run.values())
