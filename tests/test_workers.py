@@ -22,7 +22,12 @@ async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path):
         f'[upstreams.openai]\nurl = "{upstream.url}"\n'
     )
     proc = RuncapProcess(config, tmp_path / "data")
-    proc.start()
+    proc.start()  # returns once one worker listens: wait for the other too
+    log_path = tmp_path / "runcap.log"
+    for _ in range(300):
+        if len(set(re.findall(r'"event": "listening".*?"pid": (\d+)', log_path.read_text()))) == 2:
+            break
+        await asyncio.sleep(0.1)
     try:
         c = openai.AsyncOpenAI(base_url=f"{proc.url}/v1", api_key="k", max_retries=0)
         h = {"X-Run-Id": "two-workers", "X-Run-Max-Steps": "30"}
