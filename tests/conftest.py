@@ -30,10 +30,19 @@ REPO = Path(__file__).resolve().parent.parent
 FAST_SPANS = {"flush_interval_s": 0.05, "retry_initial_s": 0.05, "retry_max_s": 0.5}
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1, never one this test process handed out before: a port picked
+    for a server started later must not be picked again for another meanwhile."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @pytest.fixture
