@@ -45,6 +45,15 @@ _OUTCOME = {
 }
 
 
+def release_or_drop(upstream: aiohttp.ClientResponse) -> None:
+    """Return a fully read connection to the pool; drop one cut mid-body, so the upstream (a
+    model provider still generating, a tool still working) sees the disconnect."""
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
+
+
 class Forwarder:
     def __init__(
         self,
@@ -189,10 +198,7 @@ class Forwarder:
             ))  # fmt: skip
         finally:
             if upstream is not None:
-                if upstream.content.at_eof():
-                    upstream.release()
-                else:
-                    upstream.close()  # cut mid-body: drop the connection, the upstream sees it
+                release_or_drop(upstream)
 
     async def _buffered(self, flow: Flow, upstream: aiohttp.ClientResponse) -> web.Response:
         body = await upstream.read()

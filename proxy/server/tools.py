@@ -46,6 +46,7 @@ from proxy.errors import (
 from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
 from proxy.ledger.base import IdempotencyRecord, Ledger, RunState, ToolCallRequest
 from proxy.server.flow import Flights
+from proxy.server.forward import release_or_drop
 from proxy.server.headers import request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
@@ -341,10 +342,7 @@ class ToolGateway:
                 ) from None
         finally:
             if upstream is not None:
-                if upstream.content.at_eof():
-                    upstream.release()
-                else:
-                    upstream.close()  # cut mid-call: drop the connection, the tool sees it
+                release_or_drop(upstream)
             if call.key is not None:
                 self._executing.pop(slot, None)
             event.set()
