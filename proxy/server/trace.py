@@ -17,7 +17,7 @@ from proxy.hashing import args_hash, canonical_json, result_hash
 from proxy.ledger.base import RunState
 from proxy.money import NANOS_PER_USD
 from proxy.server.flow import Flow
-from proxy.spans.model import RunSnapshot, Span, new_span_id
+from proxy.spans.model import RunSnapshot, Span
 from proxy.spans.recorder import SpanRecorder, sha256_hex
 
 # Per (run, tool call id), this process remembers the tool calls it saw requested (their step and
@@ -127,6 +127,19 @@ class TraceStep:
         )
         rec.span(model_span)
 
+        def child(**fields: Any) -> Span:
+            """A span of this call's tool traffic: same run, trace and labels, under the call."""
+            return Span(
+                run_id=model_span.run_id,
+                trace_id=model_span.trace_id,
+                parent_span_id=model_span.span_id,
+                task=model_span.task,
+                provider=model_span.provider,
+                model=model_span.model,
+                endpoint=model_span.endpoint,
+                **fields,
+            )
+
         if info is not None:
             # Results the agent sent back are facts even when this call was then refused.
             for result in info.tool_results:
@@ -137,17 +150,10 @@ class TraceStep:
                 # The step that requested the call, when this process saw it requested.
                 call_step, tool_name = self._calls.get(key, (step, ""))
                 rec.span(
-                    Span(
-                        run_id=flow.run.run_id,
+                    child(
                         kind="tool_result",
                         step=call_step,
                         started_at=started,
-                        trace_id=model_span.trace_id,
-                        parent_span_id=model_span.span_id,
-                        task=model_span.task,
-                        provider=model_span.provider,
-                        model=model_span.model,
-                        endpoint=model_span.endpoint,
                         outcome="error" if result.is_error else "ok",
                         tool_name=tool_name,
                         tool_call_id=result.tool_call_id,
@@ -159,18 +165,10 @@ class TraceStep:
             for call in resp.tool_calls:
                 self._calls.remember((flow.run.run_id, call.id), (step, call.name))
                 rec.span(
-                    Span(
-                        run_id=flow.run.run_id,
+                    child(
                         kind="tool_call",
                         step=step,
                         started_at=ended,
-                        trace_id=model_span.trace_id,
-                        span_id=new_span_id(),
-                        parent_span_id=model_span.span_id,
-                        task=model_span.task,
-                        provider=model_span.provider,
-                        model=model_span.model,
-                        endpoint=model_span.endpoint,
                         status_code=flow.status,
                         outcome=flow.outcome,
                         tool_name=call.name,
