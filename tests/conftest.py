@@ -24,6 +24,7 @@ from proxy.config import build_config
 from proxy.ledger.base import Ledger
 from proxy.scripted_upstream import ScriptedUpstream
 from proxy.server.app import RUNTIME, Runtime, build_app
+from tests.support.processes import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 # Span pipeline settings for tests: flush and retry quickly.
@@ -128,6 +129,7 @@ class RuncapProcess:
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.openai_url = f"{self.url}/v1"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -155,13 +157,7 @@ class RuncapProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, grace_s=15)
 
 
 # -- redis-server (tests/support/redis_server.py) ----------------------------------------------

@@ -119,13 +119,8 @@ async def test_kill9_with_spans_in_the_spool_then_restart(upstream, tmp_path):  
     proc = RuncapProcess(config, tmp_path / "data")
     proc.start()
     try:
-
-        class Remote:
-            url = proc.url
-            openai_url = f"{proc.url}/v1"
-
-        await chat_run(Remote, upstream, "k9-a", stream=False)
-        await chat_run(Remote, upstream, "k9-b", stream=True)
+        await chat_run(proc, upstream, "k9-a", stream=False)
+        await chat_run(proc, upstream, "k9-b", stream=True)
         for _ in range(200):  # wait until the failed batches are in the spool on disk
             if await metric(proc.url, 'runcap_spool_records{sink="clickhouse"}') >= 10:
                 break
@@ -134,7 +129,7 @@ async def test_kill9_with_spans_in_the_spool_then_restart(upstream, tmp_path):  
         proc.kill9()
         ch.start()
         proc.start()  # same data dir: replays its spool
-        got = await wait_counts(Remote, {k: 2 * v for k, v in EXPECTED.items()})
+        got = await wait_counts(proc, {k: 2 * v for k, v in EXPECTED.items()})
         assert got == {k: 2 * v for k, v in EXPECTED.items()}
     finally:
         proc.stop()
@@ -147,15 +142,10 @@ async def test_graceful_shutdown_drains_the_queue(upstream, tmp_path):  # type: 
     proc = RuncapProcess(config, tmp_path / "data")
     proc.start()
     try:
-
-        class Remote:
-            url = proc.url
-            openai_url = f"{proc.url}/v1"
-
-        await chat_run(Remote, upstream, "drain", stream=False)
+        await chat_run(proc, upstream, "drain", stream=False)
         proc.stop()  # SIGTERM right away: the spans are still in memory
         proc.start()
-        got = await wait_counts(Remote, EXPECTED, timeout=10)
+        got = await wait_counts(proc, EXPECTED, timeout=10)
         assert got == EXPECTED
     finally:
         proc.stop()

@@ -23,6 +23,7 @@ from proxy.money import usd_to_nanos
 from proxy.pricing import PriceBook
 from proxy.providers.base import Usage
 from tests.conftest import REPO, free_port
+from tests.support.processes import stop_process
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -53,9 +54,7 @@ class ClickHouseProcess:
         self.proc.stdout.readline()  # the URL, once it listens
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(20)
+        stop_process(self.proc, grace_s=20)
         self.proc = None
 
 

@@ -44,6 +44,7 @@ from examples.temporal.activities import AgentActivities
 from examples.temporal.workflow import AgentInput, AgentWorkflow
 from proxy.spans.model import trace_id_for_run
 from tests.conftest import REPO, RuncapProcess, free_port
+from tests.support.processes import stop_process
 from tests.support.tool_service import ToolService
 from tests.test_spans import wait_rows
 
@@ -82,12 +83,7 @@ def temporal_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tempor
     else:
         pytest.fail(f"temporal dev server did not start: {log.read_text(errors='replace')[-2000:]}")
     yield server
-    server.proc.terminate()
-    try:
-        server.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait(5)
+    stop_process(server.proc)
 
 
 def _start_dev_server(db: Path, log: Path) -> TemporalDevServer | None:
@@ -175,13 +171,7 @@ class WorkerProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 def in_process_worker(client: Client, task_queue: str, activities: AgentActivities) -> Worker:

@@ -41,11 +41,7 @@ async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path):
 
         await asyncio.gather(*(one() for _ in range(24)))
         await c.close()
-
-        class Remote:
-            url = proc.url
-
-        got = await wait_counts(Remote, {"model": 24})
+        got = await wait_counts(proc, {"model": 24})
         assert got == {"model": 24}
         async with openai.AsyncOpenAI(base_url=f"{proc.url}/v1", api_key="k") as c2:
             raw = await c2.chat.completions.with_raw_response.create(

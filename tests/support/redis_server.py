@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.support.processes import stop_process
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -57,11 +59,5 @@ class RedisServer:
         raise RuntimeError("redis-server did not start within 10 s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
