@@ -67,6 +67,17 @@ def start(argv: list[str], port: int, what: str, log: Path) -> subprocess.Popen[
     return proc
 
 
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the servers a benchmark started, last started first (SIGTERM, then SIGKILL)."""
+    for proc in reversed(procs):
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 def summarize(r: Result) -> dict[str, Any]:
     return {
         "ok": r.ok,
@@ -141,12 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     _print_table(results)

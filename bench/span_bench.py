@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import run_subprocess
-from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, free_port, start, summarize
+from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, free_port, start, stop_all, summarize
 from proxy.spans.clickhouse import open_span_store
 from proxy.spans.model import RunSnapshot, Span
 from proxy.spans.pipeline import SpanPipeline
@@ -154,12 +154,7 @@ def bench_proxy(duration: float, tmp: Path) -> list[dict[str, Any]]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
     return rows
 
 
