@@ -56,7 +56,8 @@ class InvalidRequest(Rejection):
 
 
 class BudgetExceeded(Rejection):
-    """A cap would be or is exceeded; code is max_usd / max_tokens / max_steps / max_tool_calls."""
+    """A cap would be or is exceeded; code is max_usd / max_tokens / max_steps / max_tool_calls, or
+    unmetered_endpoint (a POST runcap cannot meter, refused under a dollar/token cap)."""
 
     status = 402
     type = "run_budget_exceeded"
@@ -70,7 +71,7 @@ class BudgetExceeded(Rejection):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message, code=code, param=code)
-        self.run_status = self._RUN_STATUS[code]
+        self.run_status = self._RUN_STATUS.get(code)
 
 
 class DeadlineExceeded(Rejection):
@@ -107,6 +108,17 @@ class OutcomeUnknown(Rejection):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="outcome_unknown")
+
+
+class IdempotencyKeyReused(Rejection):
+    """An idempotency key sent again for another operation (tool, method, path or arguments):
+    refused, never replayed — replaying would tell the caller an operation ran that never did."""
+
+    status = 422
+    type = "idempotency_key_reused"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="idempotency_key_reused", param="Idempotency-Key")
 
 
 class NotFound(Rejection):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 import urllib.error
@@ -21,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import Config
+from proxy.server.auth import cli_admin_token
 
-_COLUMNS = ("run_id", "key", "tool", "args_hash", "state", "updated_at", "error")
+_COLUMNS = ("run_id", "key", "tool", "method", "path", "args_hash", "state", "updated_at", "error")
 
 
 def reconcile(args: argparse.Namespace, config: Config) -> int:
@@ -73,7 +73,7 @@ class _Failed(Exception):
 
 def _http(config: Config, args: argparse.Namespace, resolution: dict[str, Any] | None) -> Any:
     base = (args.url or f"http://{config.listen}").rstrip("/")
-    token = os.environ.get("RUNCAP_ADMIN_TOKEN") or config.admin_token
+    token = cli_admin_token(config.admin_token, config.data_dir)
     if resolution is None:
         query = {"state": args.state}
         if args.run_id:
@@ -154,4 +154,6 @@ def _cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
     text = str(value)
+    if column == "path" and len(text) > 40:
+        return text[:39] + "…"
     return text[:16] if column == "args_hash" else text

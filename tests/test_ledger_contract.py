@@ -1,20 +1,31 @@
 """One contract for every ledger backend: SQLite (embedded) and Redis (shared) must behave the
-same — caps, reservations, concurrency, deadline, cancel, recovery, idempotency records, expiry."""
+same — caps, reservations, concurrency, deadline, cancel, recovery, idempotency records (bound to
+their operation, one per (run, key) pair), expiry, upgrades of an older ledger."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
+import sqlite3
+import string
 import time
 from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from proxy.caps import RunCaps
-from proxy.errors import BudgetExceeded, DeadlineExceeded, OutcomeUnknown, RunCancelled
+from proxy.errors import (
+    BudgetExceeded,
+    DeadlineExceeded,
+    IdempotencyKeyReused,
+    OutcomeUnknown,
+    RunCancelled,
+)
 from proxy.ledger.base import (
     COMPLETED,
     IN_FLIGHT,
@@ -42,9 +53,14 @@ def step(
 
 
 def tool(
-    run_id: str, key: str | None, caps: RunCaps | None = None, now: float | None = None
+    run_id: str, key: str | None, caps: RunCaps | None = None, now: float | None = None, **op: str
 ) -> ToolCallRequest:
-    return ToolCallRequest(run_id, "t", caps or RunCaps(), now or time.time(), "refund", key, "ah")
+    """A call of `POST /tools/refund`; `op` overrides name, method, path, args_hash, op_hash."""
+    return ToolCallRequest(
+        run_id, "t", caps or RunCaps(), now or time.time(), op.get("name", "refund"), key,
+        op.get("args_hash", "ah"), method=op.get("method", "POST"), path=op.get("path", ""),
+        op_hash=op.get("op_hash", "op"),
+    )  # fmt: skip
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -334,3 +350,235 @@ def test_retention_setting_is_validated() -> None:
     for bad in (0, -5, "soon", 0.5):
         with pytest.raises(ConfigError, match=r"^ledger_retention_s"):
             build_config({"ledger_retention_s": bad})
+
+
+# -- idempotency records are bound to their operation -------------------------------------------
+
+# The same key, another operation: another tool, method, path (sub-path or query), or arguments
+# (what the key is derived from, or — when the caller fingerprints nothing — the whole body).
+REUSED = "idempotency_key_reused"
+OTHER_OPERATIONS = {
+    "tool": {"name": "charge"},
+    "method+path": {"method": "DELETE", "path": "accounts/42"},  # the reproduced report
+    "method": {"method": "PUT"},
+    "path": {"path": "accounts/42"},
+    "query": {"path": "?account=42"},
+    "args": {"op_hash": "op-other", "args_hash": "ah-other"},
+    "args, no fingerprint": {"op_hash": "", "args_hash": "ah-other"},
+}
+
+
+async def _record_in(state: str, a: Ledger, b: Ledger, run_id: str, key: str) -> None:
+    """Leave a record of `tool(run_id, key)` in `state` ("in_flight, dead owner": `a` died)."""
+    await a.begin_tool_call(tool(run_id, key))
+    if state == COMPLETED:
+        await a.complete_tool_call(run_id, key, 201, {"content-type": "text/plain"}, b"first", time.time())
+    elif state == UNKNOWN:
+        await a.mark_unknown(run_id, key, time.time(), "cut")
+    elif state == "in_flight, dead owner":
+        await die(a)
+
+
+@pytest.mark.parametrize("state", [COMPLETED, IN_FLIGHT, "in_flight, dead owner", UNKNOWN])
+async def test_key_reused_for_another_operation_is_refused(make_ledger, state):  # type: ignore[no-untyped-def]
+    a, b = make_ledger(), make_ledger()
+    await _record_in(state, a, b, "reuse", "K1")
+    before = await b.get_tool_call("reuse", "K1")
+    for what, other in OTHER_OPERATIONS.items():
+        with pytest.raises(IdempotencyKeyReused) as e:
+            await b.begin_tool_call(tool("reuse", "K1", **other))
+        rej = e.value
+        assert (rej.status, rej.type, rej.code) == (422, REUSED, REUSED), what
+        assert "'K1'" in rej.message and "POST /tools/refund" in rej.message, rej.message
+        assert "new Idempotency-Key" in rej.message, rej.message
+        # Never executed, never counted, the record untouched.
+        assert await b.get_tool_call("reuse", "K1") == before, what
+        assert (await b.get_run("reuse")).tool_calls_executed == 1, what
+    with pytest.raises(IdempotencyKeyReused) as e:
+        await b.begin_tool_call(tool("reuse", "K1", method="DELETE", path="accounts/42"))
+    assert "DELETE /tools/refund/accounts/42" in e.value.message
+    # The original operation still gets what it got before.
+    if state == COMPLETED:
+        again = await b.begin_tool_call(tool("reuse", "K1"))
+        assert again.action == "replay" and again.record.body == b"first"
+    elif state == IN_FLIGHT:
+        assert (await b.begin_tool_call(tool("reuse", "K1"))).action == "wait"
+    else:
+        with pytest.raises(OutcomeUnknown):
+            await b.begin_tool_call(tool("reuse", "K1"))
+
+
+async def test_same_operation_replays(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    op = {"method": "DELETE", "path": "accounts/42?force=1", "args_hash": "ah1", "op_hash": "op1"}
+    first = await led.begin_tool_call(tool("same", "K", **op))
+    assert first.action == "execute"
+    rec = first.record
+    assert (rec.tool, rec.method, rec.path, rec.args_hash, rec.op_hash) == ("refund", *op.values())
+    await led.complete_tool_call("same", "K", 200, {}, b"deleted", time.time())
+    stored = await led.get_tool_call("same", "K")
+    assert (stored.method, stored.path, stored.args_hash, stored.op_hash) == tuple(op.values())
+    # Identical; a free-text field reworded (other body, same identifying arguments); a caller
+    # that fingerprints nothing but sends the same body: all the same operation.
+    for variant in (op, {**op, "args_hash": "ah-reworded"}, {**op, "op_hash": ""}):
+        again = await led.begin_tool_call(tool("same", "K", **variant))
+        assert again.action == "replay" and again.record.body == b"deleted", variant
+    assert (await led.get_run("same")).tool_calls_executed == 1
+
+
+# -- one record per (run, key) pair --------------------------------------------------------------
+
+# Pairs that a ledger key joining run and key with ":" (`tc:{run_id}:{key}`) would mix up.
+AMBIGUOUS_PAIRS = [
+    ("a", "b:c"), ("a:b", "c"),
+    ("a:", "b"), ("a", ":b"),
+    ("x", "1:y:z"), ("x:1", "y:z"), ("x:1:y", "z"),
+    ("3", "abc:k"), ("abc", "k"), ("3:abc", "k"),  # a numeric run id looks like a length
+    ("1", "1:1"), ("1:1", "1"), ("1", "1:1:1"),
+]  # fmt: skip
+
+
+async def _each_pair_has_its_own_record(led: Ledger, pairs: list[tuple[str, str]]) -> None:
+    for run_id, key in pairs:
+        start = await led.begin_tool_call(tool(run_id, key))
+        assert start.action == "execute", (run_id, key)
+        await led.complete_tool_call(run_id, key, 200, {}, repr((run_id, key)).encode(), time.time())
+    for run_id, key in pairs:
+        record = await led.get_tool_call(run_id, key)
+        assert record is not None and (record.run_id, record.key) == (run_id, key)
+        assert record.body == repr((run_id, key)).encode()
+        replay = await led.begin_tool_call(tool(run_id, key))
+        assert replay.action == "replay" and replay.record.body == repr((run_id, key)).encode()
+    listed = await led.list_tool_calls(limit=10 * len(pairs))
+    assert sorted((r.run_id, r.key) for r in listed) == sorted(pairs)
+
+
+async def test_run_and_key_never_share_a_record(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await _each_pair_has_its_own_record(led, AMBIGUOUS_PAIRS)
+    assert sorted(r.key for r in await led.list_tool_calls(run_id="a")) == [":b", "b:c"]
+    # A cut call of one pair is unknown for that pair only.
+    await led.begin_tool_call(tool("p", "q:r"))
+    await led.mark_unknown("p", "q:r", time.time(), "cut")
+    assert (await led.begin_tool_call(tool("p:q", "r"))).action == "execute"
+    assert [(r.run_id, r.key) for r in await led.list_tool_calls(UNKNOWN)] == [("p", "q:r")]
+
+
+RUN_CHARS = string.ascii_letters + string.digits + "._:-"
+KEY_CHARS = string.printable.strip() + " éß→😀"  # no control characters
+
+
+def _random_pairs(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """Distinct (run id, key) pairs, `n` random ones plus, for each of those, the pairs made by
+    moving the run/key boundary to another ":" — the ones a joined key confuses."""
+    pairs: set[tuple[str, str]] = set()
+    for _ in range(n):
+        # Colons and digits are over-represented: they make the ambiguous splits.
+        run_id = "".join(rng.choices(RUN_CHARS + ":::111", k=rng.randint(1, rng.choice((4, 128)))))
+        key = "".join(rng.choices(KEY_CHARS + ":::111", k=rng.randint(1, rng.choice((6, 256)))))
+        pairs.add((run_id, key))
+        joined = f"{run_id}:{key}"
+        for i, c in enumerate(joined):
+            run2, key2 = joined[:i], joined[i + 1 :]
+            if c == ":" and 1 <= len(run2) <= 128 and 1 <= len(key2) <= 256 and set(run2) <= set(RUN_CHARS):
+                pairs.add((run2, key2))
+    return sorted(pairs)
+
+
+async def test_random_runs_and_keys_never_share_a_record(make_ledger):  # type: ignore[no-untyped-def]
+    """Property (a seeded, bounded generator): distinct (run id, key) pairs — run ids of 1-128
+    `[A-Za-z0-9._:-]`, keys of 1-256 printable characters — never share a record."""
+    pairs = _random_pairs(random.Random(20260501), 100)
+    assert len(pairs) > 200 and sum(":" in run_id for run_id, _ in pairs) > 100
+    await _each_pair_has_its_own_record(make_ledger(), pairs)
+
+
+def test_redis_record_keys_are_distinct_for_distinct_pairs() -> None:
+    led = RedisLedger("redis://127.0.0.1:1/0", prefix="p:")  # builds keys; never connects
+    for seed in range(20):
+        pairs = _random_pairs(random.Random(seed), 200)
+        assert len({led._k_tc(r, k) for r, k in pairs}) == len(pairs)
+    assert len({led._k_tc(r, k) for r, k in AMBIGUOUS_PAIRS}) == len(AMBIGUOUS_PAIRS)
+
+
+# -- upgrades: records written by an older runcap ------------------------------------------------
+
+# runcap 0.1's table, before records stored their operation.
+_OLD_TOOL_CALLS = """
+CREATE TABLE tool_calls (
+    run_id TEXT NOT NULL, key TEXT NOT NULL, tool TEXT NOT NULL, args_hash TEXT NOT NULL,
+    state TEXT NOT NULL, owner TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    step INTEGER NOT NULL, status INTEGER, headers TEXT NOT NULL, body BLOB NOT NULL,
+    error TEXT NOT NULL, PRIMARY KEY (run_id, key)
+);
+"""
+
+
+async def _write_old_records(make_ledger, tmp_path: Path, records: list[tuple[str, str, bytes]]) -> Ledger:  # type: ignore[no-untyped-def]
+    """A ledger holding completed `refund` records (run, key, body) as runcap 0.1 wrote them."""
+    now = time.time()
+    if make_ledger.backend == "sqlite":
+        db = sqlite3.connect(tmp_path / "ledger.sqlite3")
+        db.executescript(_OLD_TOOL_CALLS)
+        for run_id, key, body in records:
+            db.execute(
+                "INSERT INTO tool_calls VALUES (?, ?, 'refund', 'ah-old', 'completed', 'gone', ?, ?, 0, 200, "
+                "'{}', ?, '')",
+                (run_id, key, now, now, body),
+            )
+        db.commit()
+        db.close()
+        return make_ledger()
+    led = make_ledger()
+    assert isinstance(led, RedisLedger)
+    for run_id, key, body in records:
+        meta = orjson.dumps(
+            {"run_id": run_id, "key": key, "tool": "refund", "args_hash": "ah-old", "state": "completed",
+             "owner": "gone", "created_at": now, "updated_at": now, "step": 0, "status": 200,
+             "headers": {}, "error": ""}
+        )  # fmt: skip
+        old_key = f"{led.prefix}tc:{run_id}:{key}"
+        await led._r.hset(old_key, mapping={"st": "completed", "m": meta, "b": body})
+        await led._r.pexpire(old_key, 3_600_000)
+        await led._r.zadd(f"{led.prefix}tcs", {orjson.dumps([run_id, key]): now})
+    return led
+
+
+async def test_records_of_an_older_ledger_are_found_and_bound_by_tool(make_ledger, tmp_path):  # type: ignore[no-untyped-def]
+    # The last of each colliding pair is the one runcap 0.1 kept; both keep their own identity.
+    old = [("old", "k", b"old-k"), ("u:v", "w", b"u:v+w")]
+    led = await _write_old_records(make_ledger, tmp_path, old)
+    await led.recover()  # start-up (Redis: moves the records to their current keys)
+    record = await led.get_tool_call("old", "k")
+    assert record is not None and record.body == b"old-k"
+    assert (record.method, record.path, record.op_hash) == ("", "", "")
+    assert (await led.get_tool_call("u:v", "w")).body == b"u:v+w"
+    assert await led.get_tool_call("u", "v:w") is None
+    assert (await led.begin_tool_call(tool("u", "v:w"))).action == "execute"
+    # Its operation beyond the tool is not known: the same tool replays, another is refused.
+    replay = await led.begin_tool_call(tool("old", "k", args_hash="ah-new", op_hash="op-new"))
+    assert replay.action == "replay" and replay.record.body == b"old-k"
+    with pytest.raises(IdempotencyKeyReused) as e:
+        await led.begin_tool_call(tool("old", "k", name="charge"))
+    assert "a call to tool 'refund'" in e.value.message
+    listed = {(r.run_id, r.key) for r in await led.list_tool_calls()}
+    assert listed == {("old", "k"), ("u:v", "w"), ("u", "v:w")}
+    if isinstance(led, RedisLedger):
+        assert 0 < await led._r.pttl(led._k_tc("old", "k")) <= 3_600_000  # its expiry moved with it
+        assert not await led._r.keys(f"{led.prefix}tc:*")
+    else:
+        led2 = make_ledger()  # opening an upgraded file again changes nothing
+        assert (await led2.get_tool_call("old", "k")).body == b"old-k"
+
+
+async def test_moving_old_redis_records_keeps_a_newer_record(make_ledger, tmp_path):  # type: ignore[no-untyped-def]
+    if make_ledger.backend != "redis":
+        pytest.skip("SQLite's key (run_id, key) did not change")
+    led = await _write_old_records(make_ledger, tmp_path, [("n", "k", b"before the upgrade")])
+    # The call was made again after the upgrade, before the move: its record is the newer one.
+    await led.begin_tool_call(tool("n", "k"))
+    await led.complete_tool_call("n", "k", 200, {}, b"after the upgrade", time.time())
+    await led.recover()
+    assert (await led.get_tool_call("n", "k")).body == b"after the upgrade"
+    assert not await led._r.keys(f"{led.prefix}tc:*")
+    assert await led._r.get(f"{led.prefix}record-keys") == b"2"

@@ -15,7 +15,9 @@ Rules (DESIGN.md "Enforcement rules"):
 * a `/tools` call is counted (and refused past the tool-call cap) atomically with its idempotency
   record: a new side-effecting call is recorded `in_flight` before it is forwarded; a completed one
   is replayed; one in flight is waited for while its owner lives and is `unknown` (409 until
-  reconciled) once it is dead or the call was cut (`decide_tool_call`).
+  reconciled) once it is dead or the call was cut (`decide_tool_call`);
+* an idempotency record is bound to its operation: a key reused for another operation is refused
+  (422), whatever the record's state (`same_operation`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from proxy.caps import RunCaps
 from proxy.errors import (
     BudgetExceeded,
     DeadlineExceeded,
+    IdempotencyKeyReused,
     InvalidRequest,
     OutcomeUnknown,
     Rejection,
@@ -454,16 +457,21 @@ class RecordNotUnknown(Exception):
 
 @dataclass(slots=True)
 class IdempotencyRecord:
-    """One side-effecting tool call, by (run, key): its intent, then its outcome."""
+    """One side-effecting tool call, by (run, key): the operation, its intent, then its outcome."""
 
     run_id: str
     key: str
     tool: str
-    args_hash: str
+    args_hash: str  # sha256 of the whole body (canonical JSON), as in the call's span
     state: str  # in_flight / completed / unknown
     owner: str  # the ledger instance (process) executing it
     created_at: float
     updated_at: float
+    # The operation (see `same_operation`). method "" marks a record written before records
+    # stored their operation (an upgraded ledger): only its tool is known.
+    method: str = ""
+    path: str = ""  # the sub-path after /tools/{name}, plus "?query"; "" for the tool's root
+    op_hash: str = ""  # what identifies the arguments (ToolCallRequest.op_hash); "" = not given
     step: int = 0
     status: int | None = None
     headers: dict[str, str] = field(default_factory=dict)  # the ones that matter: content-type
@@ -479,7 +487,13 @@ class ToolCallRequest:
     now: float
     tool: str
     key: str | None  # None: no side effects, no idempotency record (still counted)
-    args_hash: str = ""
+    args_hash: str = ""  # sha256 of the whole body (canonical JSON)
+    method: str = "POST"
+    path: str = ""  # the sub-path after /tools/{name} (no leading "/"), plus "?query" when there is one
+    # The arguments that identify the operation: the key runcap derives for the call (tool,
+    # method, path, the body restricted to the tool's `key_fields`, operation id) — passed also
+    # when the caller's own Idempotency-Key is used. "" = not given: `args_hash` is compared.
+    op_hash: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,15 +503,67 @@ class ToolCallStart:
     record: IdempotencyRecord | None
 
 
+def same_operation(record: IdempotencyRecord, req: ToolCallRequest) -> bool:
+    """Whether `req` is the operation `record` was made for. The rule:
+
+    * the tool, the method and the path (sub-path and query) are equal, and
+    * the arguments are: `op_hash` when both sides carry one — it covers only what the key is
+      derived from (the body restricted to the tool's `key_fields`, and the operation id), so a
+      retry that rewords a free-text field is still the same operation, with a derived key and
+      with the caller's own key alike; else `args_hash`, the whole body (Stripe's rule).
+
+    With a derived key the key already encodes all of this, so a mismatch comes from a caller's
+    `Idempotency-Key` reused for another call — but the check does not assume so.
+    A record written before records stored their operation (`method == ""`, left by an upgrade
+    for at most the ledger's retention) is compared by tool only: that is all it knows.
+    """
+    if record.tool != req.tool:
+        return False
+    if not record.method:
+        return True
+    if (record.method, record.path) != (req.method, req.path):
+        return False
+    if record.op_hash and req.op_hash:
+        return record.op_hash == req.op_hash
+    return record.args_hash == req.args_hash
+
+
+def describe_operation(tool: str, method: str, path: str) -> str:
+    """`DELETE /tools/refund/accounts/42?x=1`, as the caller sent it."""
+    if not method:
+        return f"a call to tool {tool!r}"
+    sep = "/" if path and not path.startswith("?") else ""
+    return f"{method} /tools/{tool}{sep}{path}"
+
+
+def _key_reused(record: IdempotencyRecord, req: ToolCallRequest) -> IdempotencyKeyReused:
+    first = describe_operation(record.tool, record.method, record.path)
+    now = describe_operation(req.tool, req.method, req.path)
+    if now == first:
+        now += " with other arguments"
+    return IdempotencyKeyReused(
+        f"Idempotency-Key {record.key!r} of run {record.run_id} belongs to {first} ({record.state}); "
+        f"this request is {now}, so it was neither executed nor answered with that call's result. "
+        "Send a new operation with a new Idempotency-Key (or none, to let runcap derive one); "
+        "repeat the original request unchanged to get its result."
+    )
+
+
 def decide_tool_call(
     state: RunState, record: IdempotencyRecord | None, req: ToolCallRequest, owner: str, owner_alive: bool
 ) -> ToolCallStart:
     """The rules of one `/tools` call. Mutates `state` and `record` (also when it raises: a
     rejection's run status, an in-flight record of a dead owner turned `unknown`) — the caller
-    persists both in every case. `owner_alive`: whether `record.owner` still runs."""
+    persists both in every case. `owner_alive`: whether `record.owner` still runs.
+
+    A record found under the key for another operation (`same_operation`) is refused with
+    `IdempotencyKeyReused` whatever its state — completed, in flight or unknown: never replayed,
+    waited for or executed, and the record is left as it is."""
     merge_caps(state, req.task, req.caps, req.now)
     check_live(state, req.now)
     if record is not None:
+        if not same_operation(record, req):
+            raise _key_reused(record, req)
         if record.state == COMPLETED:
             return ToolCallStart("replay", replace(state), record)
         if record.state == IN_FLIGHT and owner_alive:
@@ -536,6 +602,9 @@ def decide_tool_call(
             owner=owner,
             created_at=req.now,
             updated_at=req.now,
+            method=req.method,
+            path=req.path,
+            op_hash=req.op_hash,
             step=state.steps,
         )
     return ToolCallStart("execute", replace(state), new)

@@ -22,10 +22,18 @@ expires after `retention_s` without writes):
   res:{owner}             hash  reservation id → JSON (run, usd, tokens) — a live process's
   owners                  set   every ledger instance that may own reservations or in-flight calls
   owner:{owner}           str   heartbeat, with a TTL; refreshed every `heartbeat_s`
-  tc:{run_id}:{key}       hash  st = state, m = record JSON (without the body), b = body
-  inflight:{owner}        set   members [run_id, key] of the owner's in-flight calls
+  call:{n}:{run_id}:{key} hash  st = state, m = record JSON (without the body), b = body;
+                                n = len(run_id), so no two (run, key) pairs share a key
+  inflight:{owner}        set   members [run_id, key] (JSON) of the owner's in-flight calls
   unknown                 zset  [run_id, key] of unknown records, by time (reconcile's list)
   tcs                     zset  every record, by creation time (listing)
+  record-keys             str   "2" (this key layout) once records under the old keys were moved
+
+Upgrade: runcap 0.1 kept records under `tc:{run_id}:{key}`, where run `a` + key `b:c` and run
+`a:b` + key `c` collided. The first recovery sweep of a replica (at start-up, before it serves)
+moves every such record to its current key — the record names its own run and key, so the move
+is exact and keeps its expiry — then sets `record-keys`. Stop the old version's replicas first:
+records an old replica writes after the move are not seen by the new ones.
 
 A process that dies stops refreshing its heartbeat; once it has expired, any replica's sweep
 (`recover()`) settles its reservations at their reserved amount and turns its in-flight tool
@@ -153,7 +161,21 @@ end
 return 1
 """
 
-_NO_RECORD = "tc:-"  # the record key of a call without one (never written)
+# KEYS: legacy record key, current record key  ARGV: the record JSON as read
+# 1: moved; 2: the current key already holds the record (written since the upgrade; the older copy
+# is dropped); 0: the legacy key changed or went since it was read (left alone).
+_MOVE_LEGACY = """
+if redis.call('HGET', KEYS[1], 'm') ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('DEL', KEYS[1])
+  return 2
+end
+redis.call('RENAME', KEYS[1], KEYS[2])
+return 1
+"""
+
+_NO_RECORD = "call:-"  # the record key of a call without one (never written; real ones have n:)
+_RECORD_KEYS_VERSION = b"2"
 _RUN_CACHE = 10_000  # runs whose last-written version this process remembers
 
 
@@ -186,6 +208,7 @@ def _record_json(r: IdempotencyRecord) -> bytes:
             "run_id": r.run_id, "key": r.key, "tool": r.tool, "args_hash": r.args_hash, "state": r.state,
             "owner": r.owner, "created_at": r.created_at, "updated_at": r.updated_at, "step": r.step,
             "status": r.status, "headers": r.headers, "error": r.error,
+            "method": r.method, "path": r.path, "op_hash": r.op_hash,
         }
     )  # fmt: skip
 
@@ -195,7 +218,13 @@ def _json_record(meta: bytes, body: bytes | None) -> IdempotencyRecord:
 
 
 def _member(run_id: str, key: str) -> bytes:
+    # A JSON array: unambiguous whatever the strings hold (unlike joining them with a separator).
     return orjson.dumps([run_id, key])
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 class _Conflict(Exception):
@@ -226,6 +255,8 @@ class RedisLedger(Ledger):
         self._settle = self._r.register_script(_SETTLE)
         self._begin_tool = self._r.register_script(_BEGIN_TOOL)
         self._set_tool = self._r.register_script(_SET_TOOL)
+        self._move_legacy = self._r.register_script(_MOVE_LEGACY)
+        self._record_keys_checked = False
         self._runs: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         # The in-flight records this instance wrote, to complete them without reading them back.
         self._mine: dict[tuple[str, str], IdempotencyRecord] = {}
@@ -245,7 +276,8 @@ class RedisLedger(Ledger):
         return f"{self.prefix}owner:{owner}"
 
     def _k_tc(self, run_id: str, key: str) -> str:
-        return f"{self.prefix}tc:{run_id}:{key}"
+        # Length-prefixed: the run id's end is known, so `a` + `b:c` and `a:b` + `c` differ.
+        return f"{self.prefix}call:{len(run_id)}:{run_id}:{key}"
 
     def _k_inflight(self, owner: str) -> str:
         return f"{self.prefix}inflight:{owner}"
@@ -470,6 +502,9 @@ class RedisLedger(Ledger):
 
     async def recover(self) -> list[RecoveredReservation]:
         await self._start()
+        if not self._record_keys_checked:
+            await self._move_legacy_records()  # before the sweep: it looks records up by key
+            self._record_keys_checked = True
         recovered: list[RecoveredReservation] = []
         for raw in await self._r.smembers(f"{self.prefix}owners"):
             owner = raw.decode()
@@ -487,6 +522,37 @@ class RedisLedger(Ledger):
             )  # fmt: skip
         await self._r.zremrangebyscore(f"{self.prefix}tcs", "-inf", time.time() - self.retention_ms / 1000)
         return recovered
+
+    async def _move_legacy_records(self) -> int:
+        """Move the records an older runcap wrote under `tc:{run_id}:{key}` to their current keys
+        (see the module's docstring), once per store."""
+        marker = f"{self.prefix}record-keys"
+        if await self._r.get(marker) == _RECORD_KEYS_VERSION:
+            return 0
+        moved = 0
+        batch: list[bytes] = []
+        async for name in self._r.scan_iter(match=f"{_glob_escape(self.prefix)}tc:*", count=1000):
+            batch.append(name)
+            if len(batch) >= 500:
+                moved += await self._move_legacy_batch(batch)
+                batch = []
+        moved += await self._move_legacy_batch(batch)
+        await self._r.set(marker, _RECORD_KEYS_VERSION)
+        if moved:
+            log.info("moved %d idempotency records to their length-prefixed keys", moved)
+        return moved
+
+    async def _move_legacy_batch(self, names: list[bytes]) -> int:
+        pipe = self._r.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(name, "m")
+        moved = 0
+        for name, meta in zip(names, await pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(meta, bytes):
+                continue  # expired meanwhile (or not a record)
+            r = orjson.loads(meta)
+            moved += await self._move_legacy(keys=[name, self._k_tc(r["run_id"], r["key"])], args=[meta]) == 1
+        return moved
 
     async def _settle_owner(self, owner: str) -> list[RecoveredReservation]:
         out = []

@@ -14,6 +14,11 @@ and a tool call it left `in_flight` becomes `unknown` (it may or may not have re
 
 Retention: idempotency records, and runs without reservations, not updated for
 `ledger_retention_s` are deleted by the periodic recovery sweep.
+
+Schema upgrades: `_SCHEMA` is the first release's; the columns added since (`_ADDED_COLUMNS`) are
+added at open, to a new file as to an older one (`_upgrade`: idempotent, under the write lock so
+two processes starting together do not both add them). Idempotency records are keyed by the
+composite primary key (run_id, key): no two (run, key) pairs share a row, whatever they hold.
 """
 
 from __future__ import annotations
@@ -101,24 +106,35 @@ CREATE TABLE IF NOT EXISTS tool_calls (
 CREATE INDEX IF NOT EXISTS tool_calls_state ON tool_calls(state, updated_at);
 """
 
+# Columns added since the first release — to a new file as to an older one (`_upgrade`). A row
+# written before they were has method '' (IdempotencyRecord: its operation beyond the tool is not known).
+_ADDED_COLUMNS = {
+    "tool_calls": (
+        ("method", "TEXT NOT NULL DEFAULT ''"),
+        ("path", "TEXT NOT NULL DEFAULT ''"),
+        ("op_hash", "TEXT NOT NULL DEFAULT ''"),
+    ),
+}
+
 _TOOL_COLUMNS = (
-    "run_id, key, tool, args_hash, state, owner, created_at, updated_at, step, status, headers, body, error"
+    "run_id, key, tool, args_hash, state, owner, created_at, updated_at, step, status, headers, body, error, "
+    "method, path, op_hash"
 )
-_TOOL_UPSERT = f"INSERT OR REPLACE INTO tool_calls ({_TOOL_COLUMNS}) VALUES ({', '.join('?' * 13)})"
+_TOOL_UPSERT = f"INSERT OR REPLACE INTO tool_calls ({_TOOL_COLUMNS}) VALUES ({', '.join('?' * 16)})"
 
 
 def _row_to_record(row: tuple) -> IdempotencyRecord:  # type: ignore[type-arg]
     return IdempotencyRecord(
         run_id=row[0], key=row[1], tool=row[2], args_hash=row[3], state=row[4], owner=row[5],
         created_at=row[6], updated_at=row[7], step=row[8], status=row[9], headers=json.loads(row[10]),
-        body=bytes(row[11]), error=row[12],
+        body=bytes(row[11]), error=row[12], method=row[13], path=row[14], op_hash=row[15],
     )  # fmt: skip
 
 
 def _record_to_row(r: IdempotencyRecord) -> tuple:  # type: ignore[type-arg]
     return (
         r.run_id, r.key, r.tool, r.args_hash, r.state, r.owner, r.created_at, r.updated_at, r.step,
-        r.status, json.dumps(r.headers), r.body, r.error,
+        r.status, json.dumps(r.headers), r.body, r.error, r.method, r.path, r.op_hash,
     )  # fmt: skip
 
 
@@ -175,9 +191,19 @@ class SQLiteLedger(Ledger):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        self._upgrade()
         self.owner = secrets.token_hex(8)
         self._owner_file = open(self._owners_dir / f"{self.owner}.lock", "w")
         fcntl.flock(self._owner_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _upgrade(self) -> None:
+        """Add the columns a ledger file made by an older runcap lacks (idempotent)."""
+        with self._transaction() as db:
+            for table, columns in _ADDED_COLUMNS.items():
+                have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+                for name, decl in columns:
+                    if name not in have:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     # -- transactions -------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from aiohttp import web
 
 from proxy.errors import InvalidRequest, NotFound, Rejection
 from proxy.ledger.base import TOOL_CALL_STATES, UNKNOWN, IdempotencyRecord, Ledger, RecordNotUnknown
-from proxy.server.ops import AdminGuard, iso
+from proxy.server.auth import AdminGuard
+from proxy.server.ops import iso
 
 
 def record_json(r: IdempotencyRecord) -> dict[str, Any]:
@@ -25,6 +26,8 @@ def record_json(r: IdempotencyRecord) -> dict[str, Any]:
         "run_id": r.run_id,
         "key": r.key,
         "tool": r.tool,
+        "method": r.method or None,  # None: a record from before records stored their operation
+        "path": r.path,
         "args_hash": r.args_hash,
         "state": r.state,
         "step": r.step,
