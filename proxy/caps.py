@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,6 +21,9 @@ from proxy.errors import InvalidRequest
 from proxy.money import usd_to_nanos
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# A run id as the ledger and the admin routes know it: with `[auth] client_tokens` it is
+# `{tenant}:{run id}` (tenant names have no ':', so no two tenants' ids can meet).
+LEDGER_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 _INT_RE = re.compile(r"^\s*\d{1,18}\s*$")
 _MAX_UNIX_SECONDS = 253402300800.0  # 10000-01-01: beyond what dates (and RFC 3339) can say
 
@@ -80,8 +84,14 @@ class RunRequest:
 
 
 def parse_run_headers(
-    headers: Mapping[str, str], config: CapsConfig, *, require_run_id: bool = False
+    headers: Mapping[str, str],
+    config: CapsConfig,
+    *,
+    require_run_id: bool = False,
+    tenant: str | None = None,
 ) -> RunRequest:
+    """`tenant` (from the client token, when `[auth] client_tokens` is set) namespaces the run id:
+    one tenant can neither see, lower, cancel nor collide with another's run."""
     run_id = headers.get("X-Run-Id")
     generated = False
     if run_id is None:
@@ -109,6 +119,19 @@ def parse_run_headers(
     max_tool_calls = _count(headers.get("X-Run-Max-Tool-Calls"), "X-Run-Max-Tool-Calls")
     deadline = _deadline(headers.get("X-Run-Deadline"))
     timeout_s = _seconds(headers.get("X-Run-Timeout"), "X-Run-Timeout")
+    longest = config.max_run_seconds
+    if timeout_s is not None and timeout_s > longest:
+        raise InvalidRequest(
+            f"X-Run-Timeout: {timeout_s:g} s is beyond the longest run this runcap allows "
+            f"(caps.max_run_seconds = {longest:g} s)",
+            param="X-Run-Timeout",
+        )
+    if deadline is not None and deadline - time.time() > longest:
+        raise InvalidRequest(
+            f"X-Run-Deadline: {headers['X-Run-Deadline'][:60]!r} is more than caps.max_run_seconds = "
+            f"{longest:g} s away",
+            param="X-Run-Deadline",
+        )
 
     has_time_header = deadline is not None or timeout_s is not None
     caps = RunCaps(
@@ -129,6 +152,8 @@ def parse_run_headers(
     key = headers.get("Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 256:
         raise InvalidRequest("Idempotency-Key: 1-256 characters", param="Idempotency-Key")
+    if tenant is not None:
+        run_id = f"{tenant}:{run_id}"
     return RunRequest(run_id, generated, task, caps, operation_id, key)
 
 

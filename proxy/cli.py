@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
 from proxy.config import ConfigError, load_config
+from proxy.server.auth import cli_admin_token
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -156,7 +156,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         base = (args.url or f"http://{config.listen}").rstrip("/")
         if args.command == "status":
             return _print_http("GET", f"{base}/runs/{args.run_id}", None, args.json)
-        token = os.environ.get("RUNCAP_ADMIN_TOKEN") or config.admin_token
+        token = cli_admin_token(config.admin_token, config.data_dir)
         return _print_http("POST", f"{base}/runs/{args.run_id}/cancel", token, args.json)
     raise AssertionError(args.command)
 

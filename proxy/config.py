@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from proxy.money import usd_to_nanos
 from proxy.pricing import ModelPrice
+from proxy.server.upstream_url import Base
 
 
 def redact_url(url: str) -> str:
@@ -47,6 +48,15 @@ class UpstreamConfig:
     # Write `max_tokens` rather than `max_completion_tokens` when runcap sets an output limit the
     # client did not: OpenAI-compatible servers (vLLM, Ollama, ...) know the older field.
     legacy_output_limit: bool = False
+    # Endpoints (decoded upstream paths, `*` = one segment) that may be POSTed unmetered while a
+    # run has a dollar or token cap: the operator vouches that they cost nothing.
+    passthrough_allow: tuple[str, ...] = ()
+
+    # `url` split once: the base every forwarded path is built on (server/upstream_url.py).
+    base: Base = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base", Base.parse(self.url))
 
     @property
     def display_url(self) -> str:
@@ -61,10 +71,18 @@ class ToolConfig:
     key_fields: tuple[str, ...] | None = None
     timeout_s: float | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    # Agent headers this tool may receive although they are credentials (lower-case names).
+    forward_headers: tuple[str, ...] = ()
 
     @property
     def display_url(self) -> str:
         return redact_url(self.url)
+
+    # `url` split once: the base every forwarded path is built on (server/upstream_url.py).
+    base: Base = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base", Base.parse(self.url))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +106,8 @@ class CapsConfig:
     min_output_tokens: int = 16
     # Output bound for a call that sets no limit on a model whose maximum output is unknown.
     default_output_tokens: int = 16384
+    # A caller's X-Run-Deadline / X-Run-Timeout further out than this is a 400, not a cap.
+    max_run_seconds: float = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +136,10 @@ class Config:
     tracing: bool = True
     # Idempotency records and idle runs are kept this long (Redis TTL / SQLite sweep).
     ledger_retention_s: float = 7 * 24 * 3600.0
+    # A tool answer larger than this is cut off: 502 to the agent, recorded as the outcome.
+    tool_max_response_bytes: int = 8 * 1024 * 1024
+    # [auth] client_tokens: token → tenant. Empty (the sidecar case): no client token needed.
+    client_tokens: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def listen(self) -> str:
@@ -134,7 +158,7 @@ _TOP_KEYS = {
     "listen", "data_dir", "require_run_id", "admin_token", "max_body_bytes", "workers",
     "upstreams", "tools", "caps", "prices", "models", "clickhouse_url", "s3_url", "redis_url",
     "otlp_endpoint", "payloads", "payload_max_bytes", "log_requests", "tracing",
-    "ledger_retention_s",
+    "ledger_retention_s", "tool_max_response_bytes", "auth",
 }  # fmt: skip
 
 
@@ -252,6 +276,8 @@ def build_config(
         log_requests=_bool(raw, "", "log_requests", True),
         tracing=tracing,
         ledger_retention_s=float(retention) if retention is not None else 7 * 24 * 3600.0,
+        tool_max_response_bytes=_int(raw, "", "tool_max_response_bytes", minimum=1, default=8 * 1024 * 1024),
+        client_tokens=_client_tokens(_table(raw, "auth"), env),
     )
 
 
@@ -334,7 +360,7 @@ def _join(where: str, key: str) -> str:
 
 def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> UpstreamConfig:
     where = f"upstreams.{name}"
-    _only(section, where, {"url", "flavor", "api_key_env", "output_limit_field"})
+    _only(section, where, {"url", "flavor", "api_key_env", "output_limit_field", "passthrough_allow"})
     url = _str(section, where, "url")
     if not url:
         if name in DEFAULT_UPSTREAMS:
@@ -359,12 +385,18 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
         raise ConfigError(
             f"{where}.output_limit_field: expected max_tokens or max_completion_tokens, got {field_name!r}"
         )
-    return UpstreamConfig(name, url.rstrip("/"), flavor, api_key, field_name == "max_tokens")
+    allow = _str_list(section, where, "passthrough_allow")
+    for entry in allow:
+        if not entry.startswith("/"):
+            raise ConfigError(
+                f'{where}.passthrough_allow: {entry!r} must be an upstream path like "/v1/files"'
+            )
+    return UpstreamConfig(name, url.rstrip("/"), flavor, api_key, field_name == "max_tokens", allow)
 
 
 def _tool(name: str, section: Mapping[str, Any]) -> ToolConfig:
     where = f"tools.{name}"
-    _only(section, where, {"url", "side_effects", "key_fields", "timeout_s", "headers"})
+    _only(section, where, {"url", "side_effects", "key_fields", "timeout_s", "headers", "forward_headers"})
     url = _str(section, where, "url")
     if not url:
         raise ConfigError(f"{where}.url: required")
@@ -385,7 +417,45 @@ def _tool(name: str, section: Mapping[str, Any]) -> ToolConfig:
         key_fields=tuple(key_fields) if key_fields is not None else None,
         timeout_s=float(timeout) if timeout is not None else None,
         headers=dict(headers),
+        forward_headers=tuple(h.lower() for h in _str_list(section, where, "forward_headers")),
     )
+
+
+def _str_list(section: Mapping[str, Any], where: str, key: str) -> tuple[str, ...]:
+    value = section.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{_join(where, key)}: expected a list of strings")
+    return tuple(value)
+
+
+_TENANT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def _client_tokens(section: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """`[auth] client_tokens = { tenant = "token" | "env:VAR" }` → token → tenant."""
+    _only(section, "auth", {"client_tokens"})
+    table = section.get("client_tokens", {})
+    if not isinstance(table, dict):
+        raise ConfigError('auth.client_tokens: expected a table of tenant = "token" (or "env:VAR")')
+    tokens: dict[str, str] = {}
+    for tenant, value in table.items():
+        where = f"auth.client_tokens.{tenant}"
+        if not 1 <= len(tenant) <= 64 or not set(tenant) <= _TENANT_CHARS:
+            raise ConfigError(f"{where}: a tenant name is 1-64 characters of A-Z a-z 0-9 . _ -")
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f'{where}: expected a token string or "env:VAR"')
+        if value.startswith("env:"):
+            token = env.get(value[4:], "")
+            if not token:
+                raise ConfigError(f"{where}: environment variable {value[4:]} is not set")
+        else:
+            token = value
+        if len(token) < 16:
+            raise ConfigError(f"{where}: a client token needs at least 16 characters")
+        if token in tokens:
+            raise ConfigError(f"{where}: the same token is already given to tenant {tokens[token]!r}")
+        tokens[token] = tenant
+    return tokens
 
 
 def _caps(section: Mapping[str, Any]) -> CapsConfig:
@@ -394,7 +464,7 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
         f"{kind}_{cap}"
         for kind in ("default", "ceiling")
         for cap in ("max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s")
-    } | {"allow_unpriced", "min_output_tokens", "default_output_tokens"}
+    } | {"allow_unpriced", "min_output_tokens", "default_output_tokens", "max_run_seconds"}
     _only(section, where, allowed)
     values: dict[str, Any] = {}
     for kind in ("default", "ceiling"):
@@ -407,6 +477,15 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
     values["allow_unpriced"] = _bool(section, where, "allow_unpriced", False)
     values["min_output_tokens"] = _int(section, where, "min_output_tokens", minimum=1, default=16)
     values["default_output_tokens"] = _int(section, where, "default_output_tokens", minimum=1, default=16384)
+    max_run = _number(section, where, "max_run_seconds", positive=True)
+    values["max_run_seconds"] = float(max_run) if max_run is not None else 7 * 24 * 3600.0
+    for kind in ("default", "ceiling"):
+        timeout = values[f"{kind}_timeout_s"]
+        if timeout is not None and timeout > values["max_run_seconds"]:
+            raise ConfigError(
+                f"caps.{kind}_timeout_s: {timeout:g} s is beyond caps.max_run_seconds = "
+                f"{values['max_run_seconds']:g} s"
+            )
     return CapsConfig(**values)
 
 

@@ -159,7 +159,8 @@ async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # t
 
         for name, (run_id, script, caps, max_tokens, keep_writing) in runs.items():
             spans += await _agent(base, run_id, script, caps, max_tokens, keep_writing, say)
-            async with aiohttp.ClientSession() as s, s.get(f"{base}/runs/{run_id}") as r:
+            admin = {"Authorization": f"Bearer {app[RUNTIME].config.admin_token}"}
+            async with aiohttp.ClientSession() as s, s.get(f"{base}/runs/{run_id}", headers=admin) as r:
                 state = await r.json()
             states[name] = state
             say(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import urllib.error
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 
 from proxy.config import Config
 from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
+from proxy.server.auth import cli_admin_token
 
 Rows = list[list[Any]]
 
@@ -117,7 +117,7 @@ class DirectReader:
 
 
 def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:
-    token = os.environ.get("RUNCAP_ADMIN_TOKEN") or config.admin_token
+    token = cli_admin_token(config.admin_token, config.data_dir)
     if config.clickhouse_url:
         return DirectReader(config)
     if url:

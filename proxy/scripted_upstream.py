@@ -40,12 +40,30 @@ Steps (dicts in scripts, validated into `Step`):
     chunk_delay_s: float      streams: pause between events
     drop_after_events: int    streams: close the connection abruptly after N events (a provider
                               failure mid-stream); 0 drops it before any response
+    end_after_events: int     streams: end the response cleanly after N events, without the rest
+                              (no closing event); negative: all but the last -N events
+    end_mid_event: bool       with end_after_events: also send the first half of the next event
+    error_after_events: int   streams: after N events send the format's mid-stream error event
+                              (`error_type`, default overloaded_error / server_error; `error`
+                              message) and end the response cleanly
+    oversized_event_bytes: int   streams: after the first event, an SSE comment event of N bytes
+                              (clients ignore it), before the rest of the stream
+    omit_usage: bool          the answer reports no usage (a server that does not): no `usage` in
+                              Anthropic answers and stream events, no usage in chat/completions
+                              answers nor a usage chunk in their streams, `usage: null` in Responses
     input_tokens: int         report this many input tokens instead of the computed count
     cache_read_tokens, cache_write_tokens, reasoning_tokens: int
 
+Anthropic message threads (beta `message-threads-2026-08-12`, the `anthropic` SDK's tool runner):
+a request with `thread: {"type": "create"}` has its conversation (system, tools, messages and the
+answer) kept under the answer's id; `thread: {"type": "continue", "previous_message_id": id}`
+sends only the new messages, and is answered — and billed — as if it had sent the kept system,
+tools and history (the kept tools stay live); it may not repeat `system` or `tools`. An ended stream
+still keeps the whole answer, as the provider holds it. Without the beta header `thread` is a 400.
+
 For tests, the server records every request (`requests`, `last`, `hits()`: method, path, lower-cased
 headers, parsed body, step played, usage answered, and whether a stream completed, was left by the
-client or dropped by the server) and counts requests in flight (`in_flight`, `max_in_flight`).
+client, dropped or ended early by the server) and counts requests in flight (`in_flight`, `max_in_flight`).
 """
 
 from __future__ import annotations
@@ -80,8 +98,11 @@ EMBEDDING_DIMENSIONS = 8
 LEGACY_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MODELS = ("gpt-4o-mini", "gpt-4.1", "o4-mini", "text-embedding-3-small", "claude-sonnet-4-5")
 
-# Bounds the memory of Responses ids kept for `previous_response_id` in long benchmarks.
+# Bounds the memory of Responses ids kept for `previous_response_id` (and of Anthropic threads)
+# in long benchmarks.
 _MAX_REMEMBERED_RESPONSES = 100_000
+# The Anthropic beta that lets a request carry `thread` (server-held conversation state).
+MESSAGE_THREADS_BETA = "message-threads-2026-08-12"
 
 BASE_INPUT_TOKENS = 3
 TOKENS_PER_MESSAGE = 4
@@ -136,6 +157,11 @@ class Step:
     stall_s: float = 0.0
     chunk_delay_s: float = 0.0
     drop_after_events: int | None = None
+    end_after_events: int | None = None
+    end_mid_event: bool = False
+    error_after_events: int | None = None
+    oversized_event_bytes: int = 0
+    omit_usage: bool = False
     input_tokens: int | None = None
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
@@ -166,6 +192,8 @@ class Step:
             raise ValueError(f"step 'status' must be an HTTP error status 400-599: {status!r}")
         for key in (
             "drop_after_events",
+            "error_after_events",
+            "oversized_event_bytes",
             "text_tokens",
             "input_tokens",
             "cache_read_tokens",
@@ -175,6 +203,9 @@ class Step:
             value = raw.get(key)
             if value is not None and not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"step {key!r} must be a non-negative integer: {value!r}")
+        end = raw.get("end_after_events")
+        if end is not None and (isinstance(end, bool) or not isinstance(end, int)):
+            raise ValueError(f"step 'end_after_events' must be an integer: {end!r}")
         return cls(
             text=raw.get("text"),
             text_tokens=raw.get("text_tokens"),
@@ -188,6 +219,11 @@ class Step:
             stall_s=float(raw.get("stall_s", 0.0)),
             chunk_delay_s=float(raw.get("chunk_delay_s", 0.0)),
             drop_after_events=raw.get("drop_after_events"),
+            end_after_events=end,
+            end_mid_event=bool(raw.get("end_mid_event", False)),
+            error_after_events=raw.get("error_after_events"),
+            oversized_event_bytes=raw.get("oversized_event_bytes") or 0,
+            omit_usage=bool(raw.get("omit_usage", False)),
             input_tokens=raw.get("input_tokens"),
             cache_read_tokens=raw.get("cache_read_tokens", 0),
             cache_write_tokens=raw.get("cache_write_tokens", 0),
@@ -209,6 +245,11 @@ _STEP_KEYS = frozenset(
         "stall_s",
         "chunk_delay_s",
         "drop_after_events",
+        "end_after_events",
+        "end_mid_event",
+        "error_after_events",
+        "oversized_event_bytes",
+        "omit_usage",
         "input_tokens",
         "cache_read_tokens",
         "cache_write_tokens",
@@ -273,6 +314,8 @@ class RecordedRequest:
     completed: bool = False  # the whole response was sent
     disconnected: bool = False  # the client went away before the end
     dropped: bool = False  # the server dropped the connection (a `drop_after_events` step)
+    # The server ended the stream before its end (an `end_after_events` / `error_after_events` step).
+    ended_early: bool = False
     # The usage the answer carries, normalised like runcap's own `Usage` (input includes cache
     # reads/writes). Set even when the stream was cut before the usage was sent; None for errors.
     usage: Usage | None = None
@@ -292,6 +335,15 @@ class _Call:
     arguments: str
     input: dict[str, Any]
     partial: bool  # cut by the output-token limit
+
+
+@dataclass(frozen=True, slots=True)
+class _Thread:
+    """What an Anthropic thread holds after one answer: the fields a `continue` takes from it."""
+
+    system: Any
+    tools: Any
+    messages: list[Any]  # the whole history, the answer included
 
 
 @dataclass(slots=True)
@@ -486,6 +538,17 @@ class _BadRequest(Exception):
         self.code = code
 
 
+def _openai_stream_error(step: Step) -> bytes:
+    """The error chunk OpenAI sends when a chat/completions stream fails midway."""
+    error = {
+        "message": step.error or "The server had an error while processing your request.",
+        "type": step.error_type or "server_error",
+        "param": None,
+        "code": step.error_code,
+    }
+    return _sse_data({"error": error})
+
+
 def _openai_error_body(
     status: int, message: str, etype: str | None, param: Any = None, code: Any = None
 ) -> bytes:
@@ -531,6 +594,29 @@ def _check_chat_tools(body: dict[str, Any]) -> None:
                     f"Invalid value for '{name}': '{name}' is only allowed when 'tools' are specified.",
                     name,
                 )
+
+
+# Large events are written in pieces of this size, as a provider's server would send them.
+_WRITE_BYTES = 64 * 1024
+
+
+def _end_early(step: Step, events: list[bytes], error_event: bytes) -> list[bytes]:
+    """The events a stream that ends early sends: cut after `end_after_events` (with half of the
+    next event when `end_mid_event`) or `error_after_events` (then the error event)."""
+    if step.error_after_events is not None:
+        return [*events[: step.error_after_events], error_event]
+    if step.end_after_events is None:
+        return list(events)
+    cut = step.end_after_events if step.end_after_events >= 0 else max(0, len(events) + step.end_after_events)
+    kept = events[:cut]
+    if step.end_mid_event and cut < len(events):
+        kept.append(events[cut][: len(events[cut]) // 2])
+    return kept
+
+
+def _oversized_comment(size: int) -> bytes:
+    """An SSE comment event of `size` bytes: one long line that SSE clients ignore."""
+    return b": " + b"x" * max(0, size - 4) + b"\n\n"
 
 
 async def _pause(step: Step, stream: bool) -> None:
@@ -593,6 +679,8 @@ class ScriptedUpstream:
         self._seq = itertools.count(1)
         # Turns behind each Responses id this server issued, for `previous_response_id`.
         self._response_turns: dict[str, int] = {}
+        # Anthropic threads by the id of their latest answer, for `thread: continue`.
+        self._threads: dict[str, _Thread] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -780,15 +868,24 @@ class ScriptedUpstream:
         events: list[bytes],
         stall_at: int,
         headers: dict[str, str],
+        error_event: bytes,
     ) -> web.StreamResponse:
+        """Play a stream's events; `error_event` is the format's mid-stream error."""
         if step.drop_after_events == 0:
             self._drop(request, rec)
+        events = _end_early(step, events, error_event)
+        if step.oversized_event_bytes and events:
+            events.insert(1, _oversized_comment(step.oversized_event_bytes))
+            if stall_at >= 1:
+                stall_at += 1
+        ended_early = step.end_after_events is not None or step.error_after_events is not None
         resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **headers, **dict(step.headers)})
         await resp.prepare(request)
         try:
             last = len(events) - 1
             for i, event in enumerate(events):
-                await resp.write(event)
+                for start in range(0, len(event), _WRITE_BYTES):
+                    await resp.write(event[start : start + _WRITE_BYTES])
                 if step.drop_after_events == i + 1:
                     self._drop(request, rec)
                 if i == stall_at and step.stall_s:
@@ -799,7 +896,8 @@ class ScriptedUpstream:
         except ConnectionError:
             rec.disconnected = True
             return resp
-        rec.completed = True
+        rec.ended_early = ended_early
+        rec.completed = not ended_early
         return resp
 
     def _drop(self, request: web.Request, rec: RecordedRequest) -> NoReturn:
@@ -902,6 +1000,8 @@ class ScriptedUpstream:
                 "service_tier": "default",
                 "system_fingerprint": "fp_runcapmock",
             }
+            if step.omit_usage:
+                del out["usage"]
             return self._reply(request, rec, step, orjson.dumps(out), headers)
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -943,10 +1043,12 @@ class ScriptedUpstream:
                 for p in _pieces(c.arguments, self.chunk_chars)
             )
         events.append(chunk({}, finish))
-        if include_usage:
+        if include_usage and not step.omit_usage:
             events.append(_sse_data({**base, "choices": [], "usage": usage}))
         events.append(_SSE_DONE)
-        return await self._stream(request, rec, step, events, min(1, len(events) - 1), headers)
+        return await self._stream(
+            request, rec, step, events, min(1, len(events) - 1), headers, _openai_stream_error(step)
+        )
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         rec: RecordedRequest | None = None
@@ -980,9 +1082,10 @@ class ScriptedUpstream:
         headers = self._openai_headers(step)
         if not rec.stream:
             choice = {"text": ans.text, "index": 0, "logprobs": None, "finish_reason": finish}
-            return self._reply(
-                request, rec, step, orjson.dumps({**base, "choices": [choice], "usage": usage}), headers
-            )
+            out = {**base, "choices": [choice], "usage": usage}
+            if step.omit_usage:
+                del out["usage"]
+            return self._reply(request, rec, step, orjson.dumps(out), headers)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if include_usage:
             base["usage"] = None
@@ -995,10 +1098,10 @@ class ScriptedUpstream:
                 {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": finish}]}
             )
         )
-        if include_usage:
+        if include_usage and not step.omit_usage:
             events.append(_sse_data({**base, "choices": [], "usage": usage}))
         events.append(_SSE_DONE)
-        return await self._stream(request, rec, step, events, 0, headers)
+        return await self._stream(request, rec, step, events, 0, headers, _openai_stream_error(step))
 
     async def handle_embeddings(self, request: web.Request) -> web.StreamResponse:
         rec: RecordedRequest | None = None
@@ -1159,7 +1262,7 @@ class ScriptedUpstream:
             "tools": tools,
             "top_p": body.get("top_p", 1.0),
             "truncation": "disabled",
-            "usage": _responses_usage(ans),
+            "usage": None if step.omit_usage else _responses_usage(ans),
             "user": None,
             "metadata": body.get("metadata") or {},
         }
@@ -1253,7 +1356,14 @@ class ScriptedUpstream:
         # A response cut by max_output_tokens ends with `response.incomplete`, as on the real API.
         emit("response.incomplete" if ans.truncated else "response.completed", {"response": final})
         stall_at = 2 if stall_at is None else stall_at
-        return await self._stream(request, rec, step, events, stall_at, headers)
+        error = {
+            "type": "error",
+            "sequence_number": len(events),
+            "code": step.error_code or step.error_type or "server_error",
+            "message": step.error or "The server had an error while processing your request.",
+            "param": None,
+        }
+        return await self._stream(request, rec, step, events, stall_at, headers, _sse_event(b"error", error))
 
     # ================================================================== Anthropic
 
@@ -1300,6 +1410,18 @@ class ScriptedUpstream:
         limit = body["max_tokens"]
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise _BadRequest("max_tokens: Input should be greater than or equal to 1")
+        thread = body.get("thread")
+        if thread is not None:
+            kept = self._thread_of(rec, thread, body)
+            if isinstance(kept, web.Response):
+                return kept
+            if kept is not None:  # answered as if the kept system, tools and history were sent
+                body = {
+                    **body,
+                    "system": kept.system,
+                    "tools": kept.tools,
+                    "messages": [*kept.messages, *body["messages"]],
+                }
         step = self._pick_step(rec, _anthropic_turns(body))
         rec.stream = bool(body.get("stream"))
         await _pause(step, rec.stream)
@@ -1320,6 +1442,11 @@ class ScriptedUpstream:
             content.append({"type": "text", "text": ans.text})
         content.extend({"type": "tool_use", "id": c.id, "name": c.name, "input": c.input} for c in calls)
         msg_id = self._new_id("msg_")
+        if thread is not None:
+            history = [*body["messages"], {"role": "assistant", "content": content}]
+            self._threads[msg_id] = _Thread(body.get("system"), body.get("tools"), history)
+            if len(self._threads) > _MAX_REMEMBERED_RESPONSES:
+                del self._threads[next(iter(self._threads))]  # the oldest
         headers = self._anthropic_headers(step)
         message_obj = {
             "id": msg_id,
@@ -1331,19 +1458,15 @@ class ScriptedUpstream:
             "stop_sequence": None,
             "usage": usage,
         }
+        if step.omit_usage:
+            del message_obj["usage"]
         if not rec.stream:
             return self._reply(request, rec, step, orjson.dumps(message_obj), headers)
 
-        start_usage = {**usage, "output_tokens": 1}
-        events = [
-            _sse_event(
-                b"message_start",
-                {
-                    "type": "message_start",
-                    "message": {**message_obj, "content": [], "stop_reason": None, "usage": start_usage},
-                },
-            )
-        ]
+        start = {**message_obj, "content": [], "stop_reason": None}
+        if not step.omit_usage:
+            start["usage"] = {**usage, "output_tokens": 1}
+        events = [_sse_event(b"message_start", {"type": "message_start", "message": start})]
         stall_at = 0
         for index, block in enumerate(content):
             if block["type"] == "text":
@@ -1387,18 +1510,51 @@ class ScriptedUpstream:
                 if index == 0 and i == 0:
                     stall_at = len(events) - 1
             events.append(_sse_event(b"content_block_stop", {"type": "content_block_stop", "index": index}))
-        events.append(
-            _sse_event(
-                b"message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": stop, "stop_sequence": None},
-                    "usage": {k: usage[k] for k in _ANTHROPIC_DELTA_USAGE_KEYS},
-                },
-            )
-        )
+        delta_event: dict[str, Any] = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop, "stop_sequence": None},
+        }
+        if not step.omit_usage:
+            delta_event["usage"] = {k: usage[k] for k in _ANTHROPIC_DELTA_USAGE_KEYS}
+        events.append(_sse_event(b"message_delta", delta_event))
         events.append(_sse_event(b"message_stop", {"type": "message_stop"}))
-        return await self._stream(request, rec, step, events, stall_at, headers)
+        error = {
+            "type": "error",
+            "error": {"type": step.error_type or "overloaded_error", "message": step.error or "Overloaded"},
+            "request_id": headers["request-id"],
+        }
+        return await self._stream(request, rec, step, events, stall_at, headers, _sse_event(b"error", error))
+
+    def _thread_of(
+        self, rec: RecordedRequest, thread: Any, body: dict[str, Any]
+    ) -> _Thread | web.Response | None:
+        """The thread a request continues (None for `create`), or the error response."""
+        betas = [b.strip() for b in (rec.header("anthropic-beta") or "").split(",")]
+        if MESSAGE_THREADS_BETA not in betas:
+            raise _BadRequest("thread: Extra inputs are not permitted")
+        kind = thread.get("type") if isinstance(thread, dict) else None
+        if kind == "create":
+            return None
+        if kind != "continue":
+            raise _BadRequest("thread.type: Input should be 'create' or 'continue'")
+        previous = thread.get("previous_message_id")
+        kept = self._threads.get(previous) if isinstance(previous, str) else None
+        if kept is None:
+            headers = self._anthropic_headers(None)
+            err = orjson.loads(
+                _anthropic_error_body(
+                    404, f"thread: no message {previous!r} to continue", None, headers["request-id"]
+                )
+            )
+            err["error"]["details"] = {"error_code": "thread_not_found"}
+            return self._json(rec, 404, orjson.dumps(err), headers)
+        repeated = [name for name in ("system", "tools") if name in body]
+        if repeated:
+            raise _BadRequest(
+                f"{' and '.join(repeated)}: cannot be sent with thread.type 'continue': the thread keeps "
+                "the ones it was created with"
+            )
+        return kept
 
     # ================================================================== fallbacks
 

@@ -68,8 +68,13 @@ class Runcap:
     def openai_url(self) -> str:
         return f"{self.url}/v1"
 
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers of an admin call (the token runcap generated, or the configured one)."""
+        return {"Authorization": f"Bearer {self.runtime.config.admin_token}"}
+
     async def run(self, run_id: str) -> dict[str, Any]:
-        async with aiohttp.ClientSession() as s, s.get(f"{self.url}/runs/{run_id}") as r:
+        async with aiohttp.ClientSession() as s, s.get(f"{self.url}/runs/{run_id}", headers=self.admin) as r:
             assert r.status == 200, await r.text()
             return await r.json()
 
@@ -150,6 +155,13 @@ class RuncapProcess:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError("runcap did not start in 30 s")
+
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers of an admin call: the token the server generated in its data directory."""
+        from proxy.server.auth import read_admin_token
+
+        return {"Authorization": f"Bearer {read_admin_token(self.data_dir)}"}
 
     def kill9(self) -> None:
         assert self.proc is not None

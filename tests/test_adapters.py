@@ -988,7 +988,8 @@ def test_registry() -> None:
         ("openai", "/v1/models"): None,
         ("anthropic", "/v1/messages/count_tokens"): None,
         ("anthropic", "/v1/messages/batches"): None,
-        ("anthropic", "/v1/chat/completions"): None,
+        # Anthropic also serves OpenAI's chat format: metered as chat completions.
+        ("anthropic", "/v1/chat/completions"): "chat.completions",
         ("vertex", "/v1/messages"): None,
     }
     for (flavor, path), name in cases.items():

@@ -206,12 +206,12 @@ def test_runcap_clickhouse_url_reads_the_server(tmp_path: Path) -> None:
     ch.start()
     svc = Services()
     try:
-        url, _ = svc.start_runcap(tmp_path / "data", clickhouse_url=ch.url)
+        url, rt = svc.start_runcap(tmp_path / "data", clickhouse_url=ch.url)
         facts = Facts("chsrv")
-        agent = Agent(url, facts)
+        agent = Agent(url, facts, rt.config.admin_token)
         agent.run("dup", "refunds", "double-refund", via_tools=True)
         agent.close()
-        reader = AdminSqlReader(url, None)
+        reader = AdminSqlReader(url, rt.config.admin_token)
         total = facts.model_spans + facts.tool_spans + facts.tool_call_spans + facts.tool_result_spans
         wait_for_spans(lambda sql: reader.query(sql)[1], total)
         env = {"RUNCAP_CLICKHOUSE_URL": ch.url}

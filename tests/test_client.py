@@ -157,7 +157,9 @@ async def test_openai_rejections(runcap, upstream):  # type: ignore[no-untyped-d
     assert isinstance(rejection_from_error(e.value), DeadlineExceeded)
 
     # Cancelled.
-    async with aiohttp.ClientSession() as s, s.post(f"{runcap.url}/runs/oa-cancel/cancel") as resp:
+    admin = runcap.admin
+    url = f"{runcap.url}/runs/oa-cancel/cancel"
+    async with aiohttp.ClientSession() as s, s.post(url, headers=admin) as resp:
         assert resp.status == 200
     with pytest.raises(openai.APIStatusError) as e:
         await c.chat.completions.create(
@@ -202,7 +204,9 @@ async def test_anthropic_rejections(runcap, upstream):  # type: ignore[no-untype
     r = rejection_from_error(e.value)
     # The Anthropic shape has no code: the cap is read from the message, which names its header.
     assert isinstance(r, BudgetExceeded) and r.cap == "max_usd" and r.run_id == "an-usd"
-    async with aiohttp.ClientSession() as s, s.post(f"{runcap.url}/runs/an-usd/cancel") as resp:
+    admin = runcap.admin
+    url = f"{runcap.url}/runs/an-usd/cancel"
+    async with aiohttp.ClientSession() as s, s.post(url, headers=admin) as resp:
         assert resp.status == 200
     with pytest.raises(anthropic.APIStatusError) as e:
         await c.messages.create(model="claude-sonnet-4-5", max_tokens=10, messages=USER, extra_headers=h)
@@ -242,7 +246,8 @@ async def test_tool_rejections(runcap_factory, tool):  # type: ignore[no-untyped
     assert isinstance(r, BudgetExceeded) and r.cap == "max_tool_calls"
     assert tool.executions == 3
 
-    async with aiohttp.ClientSession() as s, s.post(f"{rc.url}/runs/tools-1/cancel") as resp:
+    admin = rc.admin
+    async with aiohttp.ClientSession() as s, s.post(f"{rc.url}/runs/tools-1/cancel", headers=admin) as resp:
         assert resp.status == 200
     status, headers, body = await post_tool(f"{url}/refund", run.as_dict(), {"order_id": "o-3"})
     assert isinstance(rejection_from_response(status, json.loads(body), headers), RunCancelled)

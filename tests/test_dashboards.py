@@ -137,11 +137,12 @@ class Store:
     url: str
     fleet: Fleet
     time: TimeRange
+    admin: dict[str, str]
 
     async def sql(self, query: str) -> tuple[list[str], list[list[Any]]]:
         async with (
             aiohttp.ClientSession() as s,
-            s.post(f"{self.url}/admin/sql", json={"sql": query}) as r,
+            s.post(f"{self.url}/admin/sql", json={"sql": query}, headers=self.admin) as r,
         ):
             body = await r.json()
             assert r.status == 200, f"{body}\n--- SQL ---\n{query}"
@@ -187,8 +188,9 @@ async def store(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Store
     assert sink is not None
     sink.get()._writer.command("SYSTEM STOP MERGES runcap.runs")
     start = datetime.now(UTC) - timedelta(minutes=5)
-    fleet = await run_fleet(url, up)
-    s = Store(url, fleet, TimeRange(start, datetime.now(UTC) + timedelta(minutes=5), interval_s=60))
+    admin = {"Authorization": f"Bearer {app[RUNTIME].config.admin_token}"}
+    fleet = await run_fleet(url, up, admin)
+    s = Store(url, fleet, TimeRange(start, datetime.now(UTC) + timedelta(minutes=5), interval_s=60), admin)
     # Wait for the pipeline: every run's latest version is its final status, spans stop growing.
     deadline = time.monotonic() + 45  # generous: CI shares two cores with everything else
     last = -1
@@ -284,7 +286,7 @@ async def panel_rows(store: Store, board: str, title: str, **selected: list[str]
 
 
 async def ledger_run(store: Store, run_id: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as s, s.get(f"{store.url}/runs/{run_id}") as r:
+    async with aiohttp.ClientSession() as s, s.get(f"{store.url}/runs/{run_id}", headers=store.admin) as r:
         return await r.json()
 
 

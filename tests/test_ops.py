@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import UTC, datetime
 
 import aiohttp
 import openai
@@ -16,21 +18,26 @@ async def get(url: str, headers=None):  # type: ignore[no-untyped-def]
 
 async def test_run_json_shape(runcap, upstream):  # type: ignore[no-untyped-def]
     c = openai.AsyncOpenAI(base_url=runcap.openai_url, api_key="k")
+    deadline = datetime.fromtimestamp(time.time() + 3600, UTC).replace(microsecond=0)
     await c.chat.completions.create(
         model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}],
         extra_headers={"X-Run-Id": "shape", "X-Run-Max-Usd": "0.5", "X-Run-Max-Steps": "4",
-                       "X-Run-Deadline": "2099-01-01T00:00:00Z", "X-Run-Task": "triage"},
+                       "X-Run-Deadline": deadline.isoformat(), "X-Run-Task": "triage"},
     )  # fmt: skip
     run = await runcap.run("shape")
     assert set(run) >= {"run_id", "status", "task", "steps", "tool_calls", "input_tokens", "output_tokens",
                         "cost_usd", "reserved_usd", "caps", "remaining"}  # fmt: skip
     assert run["caps"] == {"max_usd": "0.500000000", "max_tokens": None, "max_steps": 4,
-                           "max_tool_calls": None, "deadline": "2099-01-01T00:00:00.000Z"}  # fmt: skip
+                           "max_tool_calls": None,
+                           "deadline": deadline.strftime("%Y-%m-%dT%H:%M:%S.000Z")}  # fmt: skip
     assert set(run["remaining"]) == set(run["caps"])
     assert run["remaining"]["max_steps"] == 3 and run["remaining"]["max_tokens"] is None
     assert isinstance(run["cost_usd"], str) and "." in run["cost_usd"]
-    status, _ = await get(f"{runcap.url}/runs/nope")
+    status, _ = await get(f"{runcap.url}/runs/nope", runcap.admin)
     assert status == 404
+    # The run's state is the operator's: no token (or a wrong one), no answer — also on loopback.
+    assert (await get(f"{runcap.url}/runs/shape"))[0] == 401
+    assert (await get(f"{runcap.url}/runs/shape", {"Authorization": "Bearer nope"}))[0] == 401
 
 
 async def test_health_ready_metrics(runcap, upstream):  # type: ignore[no-untyped-def]

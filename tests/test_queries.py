@@ -68,9 +68,9 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             ch = ClickHouseProcess(tmp / "ch")
             ch.start()
             extra["clickhouse_url"] = ch.url
-        url, _ = svc.start_runcap(tmp / "data", **extra)
-        facts = play(url, "oc")
-        reader = AdminSqlReader(url, None)
+        url, rt = svc.start_runcap(tmp / "data", **extra)
+        facts = play(url, "oc", rt.config.admin_token)
+        reader = AdminSqlReader(url, rt.config.admin_token)
         total = facts.model_spans + facts.tool_spans + facts.tool_call_spans + facts.tool_result_spans
         wait_for_spans(lambda sql: reader.query(sql)[1], total)
         yield Env(request.param, reader, facts)

@@ -31,7 +31,7 @@ async def test_kill9_mid_run_keeps_spend_and_caps(upstream, tmp_path):  # type: 
             await c.chat.completions.create(
                 model="gpt-4o", messages=[{"role": "user", "content": "go"}], max_tokens=500, extra_headers=h
             )
-        async with aiohttp.ClientSession() as s, s.get(f"{proc.url}/runs/durable") as r:
+        async with aiohttp.ClientSession() as s, s.get(f"{proc.url}/runs/durable", headers=proc.admin) as r:
             before = await r.json()
         assert before["steps"] == 3
 
@@ -53,7 +53,7 @@ async def test_kill9_mid_run_keeps_spend_and_caps(upstream, tmp_path):  # type: 
             pass
 
         proc.start()  # same data dir
-        async with aiohttp.ClientSession() as s, s.get(f"{proc.url}/runs/durable") as r:
+        async with aiohttp.ClientSession() as s, s.get(f"{proc.url}/runs/durable", headers=proc.admin) as r:
             after = await r.json()
         assert after["caps"] == before["caps"]
         assert after["steps"] == 4
@@ -79,7 +79,7 @@ async def test_kill9_mid_run_keeps_spend_and_caps(upstream, tmp_path):  # type: 
             except openai.APIStatusError as e:
                 assert e.status_code == 402
                 break
-        async with aiohttp.ClientSession() as s, s.get(f"{proc.url}/runs/durable") as r:
+        async with aiohttp.ClientSession() as s, s.get(f"{proc.url}/runs/durable", headers=proc.admin) as r:
             final = await r.json()
         assert Decimal(final["cost_usd"]) <= Decimal("0.05")
     finally:

@@ -76,7 +76,7 @@ async def traced(request, runcap_factory, tmp_path):  # type: ignore[no-untyped-
 async def sql(rc, query: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
     async with (
         aiohttp.ClientSession() as s,
-        s.post(f"{rc.url}/admin/sql", json={"sql": query, "params": params or {}}) as r,
+        s.post(f"{rc.url}/admin/sql", json={"sql": query, "params": params or {}}, headers=rc.admin) as r,
     ):
         assert r.status == 200, await r.text()
         d = await r.json()
@@ -313,6 +313,33 @@ async def test_refused_call_is_a_span(runcap_factory, upstream):  # type: ignore
     ]
 
 
+async def test_passthrough_calls_are_spans(runcap_factory, upstream):  # type: ignore[no-untyped-def]
+    """Endpoints runcap does not meter are still step events: passed through or refused."""
+    rc = await runcap_factory({"tracing": True})
+    async with aiohttp.ClientSession() as s:
+        h = {"X-Run-Id": "pt", "X-Run-Task": "pt-task"}
+        async with s.get(f"{rc.openai_url}/models?limit=2", headers=h) as r:
+            status = r.status
+            size = len(await r.read())
+        h["X-Run-Max-Usd"] = "1"
+        async with s.post(f"{rc.openai_url}/images/generations", json={"prompt": "x"}, headers=h) as r:
+            assert r.status == 402
+    rows = await wait_rows(
+        rc,
+        "SELECT kind, endpoint, task, status_code, outcome, price_known, attributes['passthrough'] AS pt, "
+        "attributes['http.method'] AS method, attributes['response.bytes'] AS bytes "
+        "FROM runcap.spans WHERE run_id = 'pt' ORDER BY started_at",
+        2,
+    )
+    assert rows == [
+        {"kind": "model", "endpoint": "/v1/models", "task": "pt-task", "status_code": status,
+         "outcome": "ok" if status < 400 else "error", "price_known": False, "pt": "true", "method": "GET",
+         "bytes": str(size)},
+        {"kind": "model", "endpoint": "/v1/images/generations", "task": "pt-task", "status_code": 402,
+         "outcome": "budget_exceeded", "price_known": False, "pt": "true", "method": "POST", "bytes": "0"},
+    ]  # fmt: skip
+
+
 async def test_admin_sql_is_read_only_and_cannot_reach_files(runcap_factory, upstream):  # type: ignore[no-untyped-def]
     rc = await runcap_factory({"tracing": True})
     async with aiohttp.ClientSession() as s:
@@ -321,10 +348,10 @@ async def test_admin_sql_is_read_only_and_cannot_reach_files(runcap_factory, ups
             "INSERT INTO runcap.spans (run_id) VALUES ('x')",
             "DROP TABLE runcap.spans",
         ):
-            async with s.post(f"{rc.url}/admin/sql", json={"sql": bad}) as r:
+            async with s.post(f"{rc.url}/admin/sql", json={"sql": bad}, headers=rc.admin) as r:
                 assert r.status == 400, bad
                 assert "query failed" in (await r.json())["error"]["message"]
         async with s.post(
-            f"{rc.url}/admin/sql", json={"sql": "SELECT {n:UInt8} AS n", "params": {"n": 7}}
+            f"{rc.url}/admin/sql", json={"sql": "SELECT {n:UInt8} AS n", "params": {"n": 7}}, headers=rc.admin
         ) as r:
             assert await r.json() == {"columns": ["n"], "rows": [[7]]}

@@ -219,7 +219,7 @@ async def test_workflow_completes_a_multi_step_run_as_one_trace(temporal, runcap
     rc = await runcap_factory(runcap_extra(tool, tracing=True))
     upstream.scripts["refund"] = REFUND_SCRIPT
     run_id, queue = ids("done")
-    activities = AgentActivities(rc.url)
+    activities = AgentActivities(rc.url, admin_token=rc.runtime.config.admin_token)
     async with in_process_worker(temporal, queue, activities):
         result = await temporal.execute_workflow(
             AgentWorkflow.run,
@@ -345,7 +345,7 @@ async def test_dollar_cap_mid_workflow_fails_it_without_retries(temporal, runcap
     upstream.scripts["lookup"] = [{"tool_calls": [{"name": "lookup", "arguments": {"q": "order o-1"}}]}]
     context = "Order history: " + "o-1 shipped 2026-01-02, 12 EUR, carrier DHL; " * 90
     run_id, queue = ids("cap")
-    activities = AgentActivities(rc.url)
+    activities = AgentActivities(rc.url, admin_token=rc.runtime.config.admin_token)
     async with in_process_worker(temporal, queue, activities):
         handle = await temporal.start_workflow(
             AgentWorkflow.run,
@@ -387,7 +387,7 @@ async def test_cancelling_the_workflow_cancels_the_run_and_cuts_the_tool_call(  
     upstream.scripts["refund"] = REFUND_SCRIPT
     tool.sleep_s = 30.0
     run_id, queue = ids("cancel")
-    activities = AgentActivities(rc.url)
+    activities = AgentActivities(rc.url, admin_token=rc.runtime.config.admin_token)
     async with in_process_worker(temporal, queue, activities):
         handle = await temporal.start_workflow(
             AgentWorkflow.run,
@@ -441,7 +441,7 @@ async def test_runcap_killed_mid_tool_call_waits_for_reconcile(temporal, upstrea
     upstream.scripts["refund"] = REFUND_SCRIPT
     tool.sleep_s = 30.0
     run_id, queue = ids("rcdied")
-    activities = AgentActivities(rc.url)
+    activities = AgentActivities(rc.url, admin_token=rc.runtime.config.admin_token)
     try:
         async with in_process_worker(temporal, queue, activities):
             handle = await temporal.start_workflow(

@@ -117,9 +117,22 @@ async def test_key_fields_operation_id_and_callers_key(runcap_factory, tool):  #
     # The caller's own key replaces the derived one, is forwarded, and is namespaced by run.
     own = {"Idempotency-Key": "caller-key-1"}
     await call(url, run, {"order_id": "x", "amount": 1}, headers=own)
-    _, h5, _ = await call(url, run, {"order_id": "y", "amount": 2}, headers=own)
+    _, h5, _ = await call(url, run, {"order_id": "x", "amount": 1, "reason": "reworded"}, headers=own)
     assert h5["X-Idempotent-Replay"] == "true" and tool.executions == 4
     assert tool.hits[-1].headers["idempotency-key"] == "caller-key-1"
+    # The same key for another operation (other arguments, other method or path) is refused,
+    # never replayed: the caller would be told it ran when it did not (Stripe's 422).
+    for kwargs in (
+        {"body": {"order_id": "y", "amount": 2}},
+        {"body": {"order_id": "x", "amount": 1}, "method": "DELETE"},
+    ):
+        s7, h7, b7 = await call(url, run, headers=own, **kwargs)  # type: ignore[arg-type]
+        assert s7 == 422 and b7["error"]["type"] == "idempotency_key_reused", b7
+        assert "X-Idempotent-Replay" not in h7 and h7["x-should-retry"] == "false"
+    args = {"order_id": "x", "amount": 1}
+    s8, _, b8 = await call(f"{url}/accounts/42", run, args, method="DELETE", headers=own)
+    assert s8 == 422 and b8["error"]["type"] == "idempotency_key_reused"
+    assert tool.executions == 4
     _, h6, _ = await call(url, rid("other-run"), {"order_id": "x", "amount": 1}, headers=own)
     assert "X-Idempotent-Replay" not in h6 and tool.executions == 5
 
@@ -253,11 +266,13 @@ async def test_tool_timeout_then_409_until_reconciled(runcap_factory, tool):  # 
     )
     assert tool.executions == 1
     async with aiohttp.ClientSession() as sess:
-        async with sess.get(f"{rc.url}/admin/idempotency?state=unknown") as r:
+        async with sess.get(f"{rc.url}/admin/idempotency?state=unknown", headers=rc.admin) as r:
             unknown = await r.json()
         assert [(u["run_id"], u["tool"], u["state"]) for u in unknown] == [(run, "slow", "unknown")]
         key = unknown[0]["key"]
-        async with sess.post(f"{rc.url}/admin/idempotency/{key}/resolve", json={"outcome": "not_done"}) as r:
+        async with sess.post(
+            f"{rc.url}/admin/idempotency/{key}/resolve", json={"outcome": "not_done"}, headers=rc.admin
+        ) as r:
             assert r.status == 200 and (await r.json())["previous_state"] == "unknown"
     tool.sleep_s = 0
     s, h, _ = await call(f"{rc.url}/tools/slow", run, {"sleep_s": 0})
@@ -290,7 +305,8 @@ async def _cancel_scenario(rc_call, rc_cancel, tool, upstream, run: str) -> None
     await wait_for(lambda: tool.executions == 1)
     await asyncio.sleep(0.1)
     t0 = time.monotonic()
-    async with aiohttp.ClientSession() as s, s.post(f"{rc_cancel.url}/runs/{run}/cancel") as r:
+    admin = rc_cancel.admin
+    async with aiohttp.ClientSession() as s, s.post(f"{rc_cancel.url}/runs/{run}/cancel", headers=admin) as r:
         assert r.status == 200 and (await r.json())["status"] == "cancelled"
     status, _, body = await asyncio.wait_for(tool_call, 5)
     assert status == 410 and body["error"]["type"] == "run_cancelled"
@@ -316,7 +332,7 @@ async def _cancel_scenario(rc_call, rc_cancel, tool, upstream, run: str) -> None
     # The aborted side effect is unknown (the tool may have acted).
     async with (
         aiohttp.ClientSession() as s,
-        s.get(f"{rc_cancel.url}/admin/idempotency?state=unknown&run_id={run}") as r,
+        s.get(f"{rc_cancel.url}/admin/idempotency?state=unknown&run_id={run}", headers=rc_cancel.admin) as r,
     ):
         assert [u["tool"] for u in await r.json()] == ["refund"]
 
@@ -410,24 +426,26 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
             assert h["x-should-retry"] == "false"
         assert tool.executions == 2
 
-        listed = cli("--url", proc.url, "--json", "--config", str(config))
+        # The admin token: the one the server generated in its data directory.
+        at = ("--url", proc.url, "--config", str(config), "--data-dir", str(proc.data_dir))
+        listed = cli(*at, "--json")
         assert listed.returncode == 0, listed.stderr
         rows = json.loads(listed.stdout)
         assert {r["state"] for r in rows} == {"unknown"} and len(rows) == 2
         assert all(
             r["run_id"] == "crash" and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows
         )
-        table = cli("--url", proc.url, "--config", str(config))
+        table = cli(*at)
         assert "run_id" in table.stdout and "unknown" in table.stdout
         # The tool saw each call's key.
         keys = {json.loads(h.body)["order_id"]: h.headers["idempotency-key"] for h in tool.hits}
-        done = cli("--url", proc.url, "--config", str(config), keys["A"], "--done", "--status", "200",
+        done = cli(*at, keys["A"], "--done", "--status", "200",
                    "--body", '{"refund": "r-A"}')  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert "unknown → done" in done.stdout
-        not_done = cli("--url", proc.url, "--config", str(config), keys["B"], "--not-done")
+        not_done = cli(*at, keys["B"], "--not-done")
         assert not_done.returncode == 0, not_done.stderr
-        again = cli("--url", proc.url, "--config", str(config), keys["B"], "--not-done")
+        again = cli(*at, keys["B"], "--not-done")
         assert again.returncode == 1
 
         # A replays the operator's outcome; B (same arguments as the crashed call) executes now.

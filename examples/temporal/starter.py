@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import urllib.request
 from dataclasses import asdict
 
@@ -37,7 +38,12 @@ async def start(args: argparse.Namespace) -> None:
     print(f"started workflow {handle.id}; waiting for it to finish")
     result = await handle.result()
     print(json.dumps(asdict(result), indent=2))
-    with urllib.request.urlopen(f"{args.runcap.rstrip('/')}/runs/{args.id}", timeout=10) as r:
+    # The run's state is an admin read (RUNCAP_ADMIN_TOKEN, or the server's data_dir/admin.token).
+    token = os.environ.get("RUNCAP_ADMIN_TOKEN", "")
+    ask = urllib.request.Request(
+        f"{args.runcap.rstrip('/')}/runs/{args.id}", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(ask, timeout=10) as r:
         state = json.loads(r.read())
     print(f"runcap: status {state['status']}, {state['steps']} steps, {state['tool_calls']} tool calls, "
           f"${state['cost_usd']} of ${state['caps']['max_usd']}")  # fmt: skip

@@ -5,7 +5,13 @@ compact JSON); results come back as `tool_result` blocks in user messages. Anthr
 `input_tokens` WITHOUT the cached parts, so the normalised input is
 `input_tokens + cache_read_input_tokens + cache_creation_input_tokens`. In a stream,
 `message_start` carries the input and cache counts and `message_delta` the cumulative output
-(and, on newer API versions, updated cumulative input counts).
+(and, on newer API versions, updated cumulative input counts); only `message_stop` says they are
+final.
+
+Message threads (beta `message-threads-2026-08-12`, used by the SDK's tool runner): a request
+with `thread: {"type": "continue", "previous_message_id": ...}` sends only the new messages; the
+provider holds — and bills — the thread's system prompt, tools and history, and the thread's
+tools stay live although the request has none.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from .body import (
     text_bytes,
     text_of,
 )
-from .sse import SSEEvent, SSEStreamReader
+from .sse import SSEEvent, SSEStreamReader, error_text
 
 _TOOL_BLOCKS = frozenset(("tool_use", "tool_result"))
 # The response asks the agent to act (run tools, or resend to continue a paused server tool).
@@ -146,7 +152,8 @@ class MessagesStreamReader(SSEStreamReader):
     `message_start` arrived (output tokens then hold the start value, usually 1); output tokens
     (cumulative) at each `message_delta`; tool calls from `content_block_start` with the
     `input_json_delta` fragments so far (arguments become compact JSON at `content_block_stop`);
-    `finished` once `message_delta` gave a stop reason other than tool_use / pause_turn.
+    `finished` once `message_delta` gave a stop reason other than tool_use / pause_turn;
+    `complete` once `message_stop` arrived (an `error` event ends a stream without it).
     """
 
     def __init__(self) -> None:
@@ -206,6 +213,10 @@ class MessagesStreamReader(SSEStreamReader):
             if isinstance(delta, dict) and isinstance(delta.get("stop_reason"), str):
                 self._stop = delta["stop_reason"]
             self._read_usage(data.get("usage"))
+        elif kind == "message_stop":
+            self._closed = True
+        elif kind == "error":  # the provider failed mid-stream (overloaded...): no message_stop follows
+            self._error = error_text(data.get("error"))
         return True
 
     def _read_usage(self, usage: Any) -> None:
@@ -239,7 +250,22 @@ class MessagesStreamReader(SSEStreamReader):
             turn=None
             if self._other_blocks
             else turn_key("".join(self._text), [(c.name, c.arguments) for c in calls]),
+            complete=self.complete,
+            error=self.error,
         )
+
+
+def _thread_context(thread: Any) -> str:
+    """`RequestInfo.stored_context` of a request's `thread` field."""
+    if thread is None:
+        return ""
+    if isinstance(thread, dict):
+        if thread.get("type") == "create":
+            return ""
+        previous = thread.get("previous_message_id")
+        if isinstance(previous, str) and previous:
+            return f"message:{previous}"
+    return "server-side"  # a thread of a kind runcap does not know: assume it holds context
 
 
 def _compact(fragments: list[str]) -> str:
@@ -300,6 +326,7 @@ class MessagesAdapter:
         for schema in (body.get("output_format"), config.get("format") if isinstance(config, dict) else None):
             if isinstance(schema, dict):
                 bound += json_bytes(schema)
+        thread = body.get("thread")
 
         return RequestInfo(
             model=model,
@@ -309,6 +336,7 @@ class MessagesAdapter:
             tool_results=results,
             input_token_bound=bound,
             history=messages,
+            # A thread's messages are not resent history: never matched as a prefix of another's.
             context=context_digest(
                 model,
                 body.get("system"),
@@ -317,7 +345,9 @@ class MessagesAdapter:
                 body.get("mcp_servers"),
                 body.get("output_format"),
                 config,
+                thread,
             ),
+            stored_context=_thread_context(thread),
         )
 
     def history_item(self, item: Any) -> tuple[int, bytes | None]:
@@ -340,8 +370,10 @@ class MessagesAdapter:
 
     def strip_tools(self, body: dict[str, Any]) -> None:
         # Anthropic rejects tool_use / tool_result blocks in the history when `tools` is absent,
-        # so such a request keeps its tools and forbids their use instead.
-        if body.get("tools") and _has_tool_blocks(body.get("messages")):
+        # so such a request keeps its tools and forbids their use instead. So does a thread: the
+        # tools it holds stay live without the request's, and a `create` keeps its tools for the
+        # thread's later turns (a `continue` may not send any).
+        if body.get("thread") is not None or (body.get("tools") and _has_tool_blocks(body.get("messages"))):
             body["tool_choice"] = {"type": "none"}
         else:
             body.pop("tools", None)

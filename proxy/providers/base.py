@@ -79,9 +79,11 @@ class RequestInfo:
     # requests with the same context whose histories share a prefix read that prefix alike.
     history: list[Any] = field(default_factory=list)
     context: bytes = b""
-    # The request extends input the provider stores (OpenAI responses): "response:{id}" for a
-    # previous response, "server-side" for a conversation or stored prompt; "" for none. Its
-    # tokens are not in the body, so `input_token_bound` does not cover them.
+    # The request extends input the provider stores: "response:{id}" for a previous response
+    # (OpenAI responses `previous_response_id`), "message:{id}" for a previous message (an
+    # Anthropic message thread continued), "server-side" for a conversation or stored prompt;
+    # "" for none. Its tokens are not in the body, so `input_token_bound` does not cover them, and
+    # tools it holds stay live even when the body has none.
     stored_context: str = ""
 
 
@@ -96,6 +98,13 @@ class ResponseInfo:
     # `turn_key` of the answer (its text and tool calls), to recognise it when the agent sends it
     # back in the next request's history; None when it cannot be told (several choices...).
     turn: bytes | None = None
+    # A stream is complete only once its closing event arrived (Anthropic `message_stop`;
+    # chat/completions `[DONE]` after the usage chunk; a Responses terminal event) and every
+    # event before it was read: only then is its usage final. Buffered responses are complete.
+    complete: bool = True
+    # An error the upstream reported inside the stream (Anthropic `error` event, an OpenAI error
+    # chunk or event, Responses `response.failed`), or why the stream could not be read; "" if none.
+    error: str = ""
 
 
 class StreamReader(Protocol):
@@ -109,7 +118,8 @@ class StreamReader(Protocol):
 
     @property
     def info(self) -> ResponseInfo:
-        """What the stream said so far (usage may be partial or None if it was cut)."""
+        """What the stream said so far (usage may be partial or None if it was cut; `complete`
+        once its closing event arrived)."""
 
 
 class Adapter(Protocol):
@@ -128,7 +138,8 @@ class Adapter(Protocol):
         `max_tokens`), the one OpenAI-compatible servers know."""
 
     def strip_tools(self, body: dict[str, Any]) -> None:
-        """Make the request answer-only: the model cannot request a tool."""
+        """Make the request answer-only: the model cannot request a tool — neither one of the
+        body's nor one held by context the provider stores (`RequestInfo.stored_context`)."""
 
     def request_stream_usage(self, body: dict[str, Any]) -> bool:
         """Ask the upstream for usage in the stream; return True if the body was changed."""

@@ -38,7 +38,7 @@ from .body import (
     text_of,
     url_media_bound,
 )
-from .sse import SSEEvent, SSEStreamReader
+from .sse import SSEEvent, SSEStreamReader, error_text
 
 _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
@@ -147,7 +147,9 @@ class ChatStreamReader(SSEStreamReader):
 
     Mid-stream `info`: model and id from the first chunk; tool calls with the argument
     fragments received so far; usage only once the final usage chunk arrived (None before);
-    `finished` once a choice reported a `finish_reason` without tool calls.
+    `finished` once a choice reported a `finish_reason` without tool calls; `complete` once
+    `[DONE]` arrived after the usage chunk (runcap always asks for usage in a stream: a `[DONE]`
+    without it leaves the call's usage unknown).
     """
 
     def __init__(self, strip_injected_usage: bool) -> None:
@@ -162,8 +164,14 @@ class ChatStreamReader(SSEStreamReader):
         self._choices: set[int] = set()
 
     def on_event(self, event: SSEEvent) -> bool:
+        if event.data == b"[DONE]":
+            self._closed = self._usage is not None
+            return True
         chunk = event.json()
         if not isinstance(chunk, dict):
+            return True
+        if isinstance(chunk.get("error"), dict):  # the error chunk of a stream that failed midway
+            self._error = error_text(chunk["error"])
             return True
         if not self._model:
             self._model = text_of(chunk, "model")
@@ -227,6 +235,8 @@ class ChatStreamReader(SSEStreamReader):
             finished=self._ended and not calls,
             response_id=self._id,
             turn=turn_key("".join(self._text), [(c.name, c.arguments) for c in calls]) if single else None,
+            complete=self.complete,
+            error=self.error,
         )
 
 

@@ -33,7 +33,7 @@ from .body import (
     text_of,
     url_media_bound,
 )
-from .sse import SSEEvent, SSEStreamReader
+from .sse import SSEEvent, SSEStreamReader, error_text
 
 # Client-executed call item type -> (tool name, or None to read it from the item; arguments key)
 _CALLS: dict[str, tuple[str | None, str]] = {
@@ -62,6 +62,17 @@ def responses_usage(usage: Any) -> Usage | None:
         cache_write_tokens=count(details, "cache_write_tokens"),
         reasoning_tokens=count(usage.get("output_tokens_details"), "reasoning_tokens"),
     )
+
+
+def _stored_context(body: dict[str, Any]) -> str:
+    """Input the provider keeps on its side and bills with this call (`RequestInfo.stored_context`)."""
+    previous = body.get("previous_response_id")
+    if isinstance(previous, str) and previous:
+        return f"response:{previous}"
+    prompt = body.get("prompt")
+    if body.get("conversation") or (isinstance(prompt, dict) and prompt.get("id")):
+        return "server-side"
+    return ""
 
 
 def _tool_call(item: dict[str, Any]) -> ToolCall | None:
@@ -113,6 +124,10 @@ class ResponsesStreamReader(SSEStreamReader):
     `response.output_item.added` plus argument deltas (final at `response.output_item.done`,
     and replaced by the terminal response's output); usage only with the terminal event
     (`response.completed` / `response.incomplete` / `response.failed`), None before.
+
+    Each terminal event closes the stream (`complete`) with the final usage: `incomplete` is an
+    answer cut short (by its output limit, a content filter), like a chat `finish_reason:
+    length`; `failed` is an error (`error` says which) whose usage was still billed.
     """
 
     def __init__(self) -> None:
@@ -147,6 +162,11 @@ class ResponsesStreamReader(SSEStreamReader):
                 if isinstance(response.get("output"), list):  # the authoritative final output
                     self._calls = dict(enumerate(_tool_calls(response["output"])))
             self._ended = kind != "response.failed"
+            self._closed = True
+            if kind == "response.failed":
+                self._error = error_text(response.get("error") if isinstance(response, dict) else None)
+        elif kind == "error":  # the stream failed before a terminal event
+            self._error = error_text(data)
         return True
 
     def _read_response(self, response: Any) -> None:
@@ -163,6 +183,8 @@ class ResponsesStreamReader(SSEStreamReader):
             tool_calls=calls,
             finished=self._ended and not calls,
             response_id=self._id,
+            complete=self.complete,
+            error=self.error,
         )
 
 
@@ -220,13 +242,6 @@ class ResponsesAdapter:
         prompt = body.get("prompt")
         if isinstance(prompt, dict):
             bound += _CONTENT(prompt.get("variables"))
-        # Input the provider keeps on its side and bills with this call.
-        stored = ""
-        previous = body.get("previous_response_id")
-        if isinstance(previous, str) and previous:
-            stored = f"response:{previous}"
-        elif body.get("conversation") or (isinstance(prompt, dict) and prompt.get("id")):
-            stored = "server-side"
 
         return RequestInfo(
             model=model,
@@ -235,7 +250,7 @@ class ResponsesAdapter:
             has_tools=bool(tools),
             tool_results=results,
             input_token_bound=bound,
-            stored_context=stored,
+            stored_context=_stored_context(body),
         )
 
     def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
@@ -244,6 +259,9 @@ class ResponsesAdapter:
     def strip_tools(self, body: dict[str, Any]) -> None:
         for name in _TOOL_FIELDS:
             body.pop(name, None)
+        if _stored_context(body):
+            # Stored context (a stored prompt's tools, a conversation) may bring tools of its own.
+            body["tool_choice"] = "none"
 
     def request_stream_usage(self, body: dict[str, Any]) -> bool:
         return False  # usage is always in the terminal event

@@ -3,10 +3,14 @@
 Endpoints are matched by their last path segments, so the same adapter serves `/v1/chat/completions`,
 an OpenAI-compatible server mounted elsewhere (`/api/v1/chat/completions`) and Azure's
 `/openai/deployments/{name}/chat/completions`. Sub-resources (`/v1/responses/{id}`,
-`/v1/messages/count_tokens`, `/v1/messages/batches`) are not matched: they pass through.
+`/v1/messages/count_tokens`, `/v1/messages/batches`) are not matched: they pass through — and,
+while a run has a dollar or token cap, a POST to one is refused unless it is known to cost
+nothing (`free_endpoint`) or the operator allow-lists it (DESIGN.md "Metered endpoints").
 """
 
 from __future__ import annotations
+
+import re
 
 from .anthropic_messages import MessagesAdapter
 from .base import Adapter
@@ -23,7 +27,8 @@ _ADAPTERS: dict[str, tuple[tuple[str, Adapter], ...]] = {
         ("/completions", CompletionsAdapter()),
         ("/embeddings", EmbeddingsAdapter()),
     ),
-    "anthropic": (("/messages", MessagesAdapter()),),
+    # Anthropic also serves OpenAI's chat format (its OpenAI SDK compatibility endpoint).
+    "anthropic": (("/messages", MessagesAdapter()), ("/chat/completions", ChatCompletionsAdapter())),
 }
 
 
@@ -35,3 +40,15 @@ def adapter_for(flavor: str, path: str) -> Adapter | None:
         if path.endswith(suffix):
             return adapter
     return None
+
+
+# POSTs that bill nothing: token counting and cancelling work already paid for.
+_FREE = re.compile(
+    r"/(?:messages/count_tokens|responses/input_tokens|responses/[^/]+/cancel"
+    r"|messages/batches/[^/]+/cancel|batches/[^/]+/cancel)$"
+)
+
+
+def free_endpoint(path: str) -> bool:
+    """A POST to `path` (decoded, without the query) costs nothing."""
+    return _FREE.search(path.rstrip("/")) is not None

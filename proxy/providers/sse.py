@@ -5,6 +5,11 @@ Upstream streams arrive in arbitrary chunks; an event ends with a blank line (`\
 complete events, keeping each event's exact bytes so a reader can relay or drop it verbatim.
 `SSEStreamReader` does the relaying: pass-through (every byte relayed at once, events parsed
 from a copy) or, when it may drop events, holding back only an incomplete trailing event.
+
+An event longer than `MAX_EVENT_BYTES` (no provider sends one; a broken or hostile upstream
+might send an endless line) is never buffered whole: from there on the splitter stops and the
+reader relays the bytes as they come, unread. The stream then cannot be known complete, so the
+call is settled at its reservation.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ log = logging.getLogger(__name__)
 # A line terminator followed by an empty line. `\r` alone is a terminator only when no `\n`
 # follows it, so that `\r\n` is never read as two terminators.
 _EVENT_END = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)")
+# The longest event read; the largest real ones (a Responses terminal event repeating a long
+# answer) are far below it.
+MAX_EVENT_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -38,6 +46,16 @@ class SSEEvent:
             return orjson.loads(self.data)
         except orjson.JSONDecodeError:
             return None
+
+
+def error_text(error: object) -> str:
+    """`kind: message` of an error object an upstream sent inside a stream (Anthropic's `error`
+    event, OpenAI's error chunk or event, a failed response's `error`)."""
+    if not isinstance(error, dict):
+        return "error"
+    kind = next((v for v in (error.get("code"), error.get("type")) if isinstance(v, str) and v), "error")
+    message = error.get("message")
+    return f"{kind}: {message}" if isinstance(message, str) else kind
 
 
 def parse_event(raw: bytes) -> SSEEvent:
@@ -57,14 +75,23 @@ def parse_event(raw: bytes) -> SSEEvent:
 
 
 class SSESplitter:
-    """Feed chunks, get complete events back; incomplete bytes wait for the next chunk."""
+    """Feed chunks, get complete events back; incomplete bytes wait for the next chunk.
 
-    __slots__ = ("_buf",)
+    An event longer than `max_event_bytes` overflows the splitter: `feed` returns the events
+    before it, `overflowed` turns True, and from then on nothing is split (`feed` returns no
+    events). The bytes held at that moment — the long event so far — are taken with `release`.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_buf", "max_event_bytes", "overflowed")
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._buf = bytearray()
+        self.max_event_bytes = max_event_bytes
+        self.overflowed = False
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if self.overflowed:
+            return []
         buf = self._buf
         # Resume the search a little before the new bytes: a terminator may straddle the chunks.
         pos = max(0, len(buf) - 3)
@@ -78,11 +105,21 @@ class SSESplitter:
             end = match.end()
             if end == len(buf) and buf[-1] == 0x0D:
                 break  # "\r" at the very end may be half of "\r\n": wait for the next byte
+            if end - start > self.max_event_bytes:
+                break
             events.append(parse_event(bytes(buf[start:end])))
             start = pos = end
         if start:
             del buf[:start]
+        if len(buf) > self.max_event_bytes:
+            self.overflowed = True
         return events
+
+    def release(self) -> bytes:
+        """The bytes held back (after an overflow: the long event so far); holds none after."""
+        raw = bytes(self._buf)
+        self._buf = bytearray()
+        return raw
 
     def close(self) -> SSEEvent | None:
         """End of stream: the unterminated trailing event, if any bytes are left."""
@@ -99,11 +136,18 @@ class SSEStreamReader:
     With `may_drop` False every chunk is returned as it arrived (nothing is ever held back) and
     events are parsed from a copy. With `may_drop` True complete events are relayed unless
     `on_event` returns False, and only an incomplete trailing event is held back.
+
+    A subclass sets `_closed` when its format's closing event arrives, and `_error` when the
+    upstream reports an error in the stream; `complete` and `error` combine them with the
+    splitter's state for `info`. After an oversized event every byte is relayed as it comes,
+    unread, whatever `may_drop` says, and the stream is not complete.
     """
 
-    def __init__(self, may_drop: bool) -> None:
-        self._splitter = SSESplitter()
+    def __init__(self, may_drop: bool, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._splitter = SSESplitter(max_event_bytes)
         self._may_drop = may_drop
+        self._closed = False
+        self._error = ""
 
     def on_event(self, event: SSEEvent) -> bool:
         """Read one event; return False to drop it (honoured only when the reader may drop)."""
@@ -113,6 +157,20 @@ class SSEStreamReader:
     def info(self) -> ResponseInfo:
         raise NotImplementedError
 
+    @property
+    def complete(self) -> bool:
+        """The closing event arrived, and no event before it went unread."""
+        return self._closed and not self._splitter.overflowed
+
+    @property
+    def error(self) -> str:
+        if self._splitter.overflowed:
+            return (
+                f"an SSE event longer than {self._splitter.max_event_bytes} bytes: "
+                "the stream was relayed unread from there"
+            )
+        return self._error
+
     def _read(self, event: SSEEvent) -> bool:
         try:
             return self.on_event(event)
@@ -121,12 +179,22 @@ class SSEStreamReader:
             return True
 
     def feed(self, chunk: bytes) -> bytes:
-        events = self._splitter.feed(chunk)
-        if not self._may_drop:
+        splitter = self._splitter
+        if splitter.overflowed:
+            return chunk
+        events = splitter.feed(chunk)
+        if self._may_drop:
+            out = b"".join(event.raw for event in events if self._read(event))
+        else:
             for event in events:
                 self._read(event)
-            return chunk
-        return b"".join(event.raw for event in events if self._read(event))
+            out = chunk
+        if splitter.overflowed:
+            log.warning("an SSE event exceeded %d bytes: relaying the rest unread", splitter.max_event_bytes)
+            held = splitter.release()  # the long event so far: relayed now, never parsed
+            if self._may_drop:
+                out += held
+        return out
 
     def close(self) -> bytes:
         event = self._splitter.close()

@@ -16,6 +16,7 @@ import signal
 import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
@@ -26,15 +27,17 @@ from proxy.ledger.base import Ledger
 from proxy.ledger.sqlite import SQLiteLedger
 from proxy.pricing import PriceBook
 from proxy.server.accesslog import AccessLogStep
+from proxy.server.auth import AdminGuard, ClientAuth, ensure_admin_token
 from proxy.server.budget import BudgetStep
 from proxy.server.cancel import CancelPropagation
 from proxy.server.flow import Flights, FlowStep
 from proxy.server.forward import Forwarder
 from proxy.server.metrics import Metrics, MetricsStep
-from proxy.server.ops import AdminGuard, OpsRoutes
+from proxy.server.ops import OpsRoutes
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.tools import ToolGateway
 from proxy.server.trace import TraceStep
+from proxy.server.upstream_url import UnsafePath, remaining_segments
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
 
@@ -76,6 +79,10 @@ def build_app(
     config: Config, ledger: Ledger | None = None, span_options: dict[str, Any] | None = None
 ) -> web.Application:
     """`span_options` tune the span pipeline (tests flush faster)."""
+    if not config.admin_token:
+        # Admin routes always need a token: without a configured one, generate and keep one.
+        config = config.with_overrides(admin_token=ensure_admin_token(config.data_dir))
+    assert config.admin_token is not None
     ledger = ledger or open_ledger(config)
     metrics = Metrics()
     spans = open_span_system(config, **(span_options or {}))
@@ -85,26 +92,37 @@ def build_app(
     app = web.Application(client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536})
     app[RUNTIME] = rt
 
-    OpsRoutes(ledger, metrics, rt.flights, AdminGuard(config.admin_token), spans.store).add_to(app)
+    guard = AdminGuard(config.admin_token)
+    clients = ClientAuth(config.client_tokens)
+    OpsRoutes(ledger, metrics, rt.flights, guard, spans.store).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
-    ToolGateway(config, ledger, rt.flights, metrics, rt.recorder).add_to(app)
-    IdempotencyAdmin(ledger, AdminGuard(config.admin_token)).add_to(app)
+    ToolGateway(config, ledger, rt.flights, metrics, rt.recorder, clients).add_to(app)
+    IdempotencyAdmin(ledger, guard).add_to(app)
     CancelPropagation(ledger, rt.flights).add_to(app)
     upstreams = config.upstreams
 
     def known() -> str:
         return ", ".join(sorted(upstreams))
 
+    # Each route names how many leading path segments are its own (`u`, `{name}`...); the rest of
+    # the path, as received, is what the upstream gets after its base path.
     async def openai_v1(request: web.Request) -> web.StreamResponse:
-        tail = request.match_info["tail"]
-        name = "anthropic" if tail == "messages" or tail.startswith("messages/") else "openai"
-        return await _fwd(request, name, "/v1/" + tail)
+        return await _fwd(request, None, 0)
 
     async def prefixed(request: web.Request) -> web.StreamResponse:
-        name = request.match_info.get("name") or request.path.split("/", 2)[1]
-        return await _fwd(request, name, "/" + request.match_info["tail"])
+        return await _fwd(request, request.path.split("/", 2)[1], 1)
 
-    async def _fwd(request: web.Request, name: str, path: str) -> web.StreamResponse:
+    async def named(request: web.Request) -> web.StreamResponse:
+        return await _fwd(request, request.match_info["name"], 2)
+
+    async def _fwd(request: web.Request, name: str | None, consumed: int) -> web.StreamResponse:
+        try:
+            segments, query = remaining_segments(request.raw_path, consumed)
+        except UnsafePath as rej:
+            metrics.rejections.labels("unsafe_path").inc()
+            return rej.response("anthropic" if name == "anthropic" else "openai")
+        if name is None:  # /v1/...: Anthropic's messages, else OpenAI (decided on the checked path)
+            name = "anthropic" if len(segments) > 1 and unquote(segments[1]) == "messages" else "openai"
         upstream = upstreams.get(name)
         if upstream is None:
             return NotFound(
@@ -113,12 +131,12 @@ def build_app(
                 param="upstream",
             ).response("openai")
         assert rt.forwarder is not None
-        return await rt.forwarder.handle(request, upstream, path)
+        return await rt.forwarder.handle(request, upstream, upstream.base.target(segments, query), clients)
 
     app.router.add_route("*", "/v1/{tail:.*}", openai_v1)
     app.router.add_route("*", "/openai/{tail:.*}", prefixed)
     app.router.add_route("*", "/anthropic/{tail:.*}", prefixed)
-    app.router.add_route("*", "/u/{name}/{tail:.*}", prefixed)
+    app.router.add_route("*", "/u/{name}/{tail:.*}", named)
 
     async def on_startup(app: web.Application) -> None:
         rt.session = aiohttp.ClientSession(

@@ -14,17 +14,33 @@ from collections.abc import Awaitable
 from decimal import Decimal
 from typing import TypeVar
 
+from proxy.caps import RunCaps
 from proxy.config import Config
-from proxy.errors import Rejection
+from proxy.errors import BudgetExceeded, Rejection
 from proxy.ledger.base import Ledger, Reservation, RunState, Settlement, StepRequest
 from proxy.money import format_usd, usd_to_nanos
 from proxy.pricing import PriceBook, max_output_tokens
 from proxy.providers.base import Usage
+from proxy.providers.registry import free_endpoint
 from proxy.server.flow import Flow
 from proxy.server.history import ConversationMemory
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("runcap.budget")
+
+_WRITE_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def passthrough_allowed(patterns: tuple[str, ...], path: str) -> bool:
+    """`path` is one of the operator's allow-listed endpoints, or below one; `*` stands for one
+    path segment (`/v1/threads/*/runs`)."""
+    parts = path.rstrip("/").split("/")
+    for pattern in patterns:
+        want = pattern.rstrip("/").split("/")
+        if len(parts) >= len(want) and all(w in ("*", p) for w, p in zip(want, parts, strict=False)):
+            return True
+    return False
+
 
 _MTOK = Decimal(1_000_000)
 # Input bound for provider-stored context of a model whose context window is unknown.
@@ -56,10 +72,13 @@ class BudgetStep:
         assert run is not None
         if flow.adapter is None or flow.info is None:
             # A pass-through call reserves nothing, but a cancelled or expired run stays stopped.
+            caps = run.caps
             if not run.generated:
                 flow.state = await self._timed(
                     "touch", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
                 )
+                caps = flow.state.caps
+            self._refuse_unmetered(flow, caps)
             return
         info = flow.info
         provider = pricing_provider(flow)
@@ -73,8 +92,9 @@ class BudgetStep:
             info.input_token_bound if run.generated else self.history.bound(run.run_id, flow.adapter, info)
         )
         if info.stored_context:
-            # Input kept by the provider (previous response, conversation, stored prompt): its
-            # size if this process saw it answered, else the model's whole context window.
+            # Input kept by the provider (previous response, Anthropic thread, conversation,
+            # stored prompt): its size if this process saw it answered, else the model's whole
+            # context window.
             stored = self.history.stored_tokens(info.stored_context)
             if stored is None:
                 stored = self.prices.context_window(provider, info.model) or UNKNOWN_CONTEXT_TOKENS
@@ -113,12 +133,34 @@ class BudgetStep:
                 flow.clamped_to = res.output_limit
         if res.final_step:
             flow.final_step = True
-            if info.has_tools:
+            # Context the provider holds may hold tools too (an Anthropic thread's, a stored
+            # prompt's): they stay live although the body has none, so they are forbidden too.
+            if info.has_tools or info.stored_context:
                 flow.adapter.strip_tools(body)
                 flow.body_changed = True
         if info.stream and flow.adapter.request_stream_usage(body):
             flow.injected_stream_usage = True
             flow.body_changed = True
+
+    def _refuse_unmetered(self, flow: Flow, caps: RunCaps) -> None:
+        """Metered or refused: under a dollar or token cap, a POST (PUT, PATCH) that no adapter
+        understands could spend without limit — refuse it unless it is free or allow-listed."""
+        if flow.request.method not in _WRITE_METHODS and not flow.body:
+            return  # a read (a GET with a body is not one: some servers act on it)
+        if caps.max_usd_nanos is None and caps.max_tokens is None:
+            return
+        path = flow.target.path
+        if free_endpoint(path) or passthrough_allowed(flow.upstream.passthrough_allow, path):
+            return
+        cap = "X-Run-Max-Usd" if caps.max_usd_nanos is not None else "X-Run-Max-Tokens"
+        raise BudgetExceeded(
+            "unmetered_endpoint",
+            f"{flow.request.method} {path}: runcap cannot meter this endpoint of upstream "
+            f"'{flow.upstream.name}', and run {flow.run.run_id if flow.run else ''} has a {cap} cap, "
+            "so it is refused. Use a metered endpoint (chat/completions, responses, completions, "
+            "embeddings, messages), run without a dollar/token cap, or have the operator allow it "
+            f"([upstreams.{flow.upstream.name}] passthrough_allow).",
+        )
 
     # -- response -----------------------------------------------------------------------------
 
@@ -167,20 +209,30 @@ class BudgetStep:
     def settlement(self, flow: Flow, res: Reservation) -> Settlement:
         info = flow.response_info
         usage = info.usage if info else None
-        complete = flow.outcome == "ok"
-        if usage is None:
+        if flow.outcome == "incomplete":
+            # A stream that ended without its closing event: the provider may have generated (and
+            # billed) more than runcap saw, so it is settled at least at its reservation.
+            seen = usage or Usage()
+            usage = Usage(
+                input_tokens=max(seen.input_tokens, res.input_tokens),
+                output_tokens=max(seen.output_tokens, res.output_tokens),
+                cache_read_tokens=seen.cache_read_tokens,
+                cache_write_tokens=seen.cache_write_tokens,
+                reasoning_tokens=seen.reasoning_tokens,
+            )
+        elif usage is None:
             if flow.upstream_status >= 400 or flow.upstream_unreached:
                 usage = Usage()  # the provider refused or was never reached: nothing was generated
             else:
                 # Cut (the provider may have worked on it, and bills what it did), or an upstream
                 # that does not report usage: charge the worst case reserved.
-                if complete:
+                if flow.outcome == "ok":
                     log.warning(
                         "run %s step %d: %s returned no usage; settled at the reserved worst case",
                         res.run_id, res.step, flow.upstream.name,
                     )  # fmt: skip
                 usage = Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens)
-        elif not complete and flow.streamed:
+        elif flow.streamed and info is not None and not info.complete:
             # A stream cut before its final usage: what was read so far is a lower bound.
             usage = Usage(
                 input_tokens=usage.input_tokens or res.input_tokens,
@@ -201,6 +253,9 @@ class BudgetStep:
             if alt.known and (not cost.known or alt.usd > cost.usd):
                 cost = alt
         flow.cost_nanos = usd_to_nanos(cost.usd)
+        if flow.outcome == "incomplete":
+            # Cache reads priced below the worst case must not bring it under what was reserved.
+            flow.cost_nanos = max(flow.cost_nanos, res.usd_nanos)
         flow.price_known = cost.known
         flow.usage = usage
         status = {"deadline": "deadline_exceeded", "cancel": "cancelled"}.get(flow.cut_reason or "")
@@ -209,7 +264,9 @@ class BudgetStep:
             output_tokens=usage.output_tokens,
             cost_usd_nanos=flow.cost_nanos,
             tool_calls_requested=len(info.tool_calls) if info else 0,
-            finished=bool(info and info.finished and complete),
+            # An answer without tool calls ends the run, also when its stream missed the closing
+            # event after the stop reason (the answer reached the agent; only usage is unsure).
+            finished=bool(info and info.finished and flow.outcome in ("ok", "incomplete")),
             run_status=status,
         )
 

@@ -24,13 +24,14 @@ from proxy.caps import RunRequest
 from proxy.config import UpstreamConfig
 from proxy.ledger.base import Reservation, RunState
 from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
+from proxy.server.upstream_url import UpstreamTarget
 
 
 @dataclass(slots=True, eq=False)
 class Flow:
     request: web.Request
     upstream: UpstreamConfig
-    path: str  # upstream path, with the query string
+    target: UpstreamTarget  # the URL sent upstream, and the path the upstream reads
     adapter: Adapter | None  # None: an endpoint runcap does not understand (byte pass-through)
     started: float = field(default_factory=time.perf_counter)
     started_wall: float = field(default_factory=time.time)
@@ -55,6 +56,7 @@ class Flow:
     # Raw upstream bytes of a relayed stream, kept for the payload store while they fit its limit
     # (None: not captured, or over the limit).
     captured: bytearray | None = None
+    response_bytes: int = 0  # bytes of a relayed body received from the upstream
     response_info: ResponseInfo | None = None
     streamed: bool = False
     ttft_ms: float | None = None
@@ -68,7 +70,11 @@ class Flow:
 
     @property
     def flavor(self) -> str:
-        return self.upstream.flavor
+        """The wire format the agent speaks on this call (error shapes, credential header): the
+        adapter's, else the upstream's (Anthropic also serves OpenAI's chat format)."""
+        if self.adapter is None:
+            return self.upstream.flavor
+        return "anthropic" if self.adapter.name == "messages" else "openai"
 
     @property
     def endpoint(self) -> str:

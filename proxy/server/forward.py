@@ -30,13 +30,14 @@ from proxy.errors import (
 )
 from proxy.providers.base import BodyError
 from proxy.providers.registry import adapter_for
+from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights, Flow, FlowStep
-from proxy.server.headers import request_headers, response_headers
+from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
+from proxy.server.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.forward")
 
-_CREDENTIALS = ("authorization", "x-api-key", "api-key")
 
 _OUTCOME = {
     BudgetExceeded: "budget_exceeded",
@@ -71,13 +72,15 @@ class Forwarder:
         # Streams are captured for the payload store only when it keeps bodies at all.
         self.capture_limit = 0 if config.payloads == "off" else config.payload_max_bytes
 
-    async def handle(self, request: web.Request, upstream: UpstreamConfig, path: str) -> web.StreamResponse:
-        adapter = adapter_for(upstream.flavor, path) if request.method == "POST" else None
-        qs = request.query_string
-        flow = Flow(request, upstream, f"{path}?{qs}" if qs else path, adapter)
+    async def handle(
+        self, request: web.Request, upstream: UpstreamConfig, target: UpstreamTarget, clients: ClientAuth
+    ) -> web.StreamResponse:
+        # Chosen on the decoded form of exactly the path that is sent (upstream_url.py).
+        adapter = adapter_for(upstream.flavor, target.path) if request.method == "POST" else None
+        flow = Flow(request, upstream, target, adapter)
         try:
             try:
-                await self._prepare(flow)
+                await self._prepare(flow, clients)
             except Rejection as rej:
                 return self._reject(flow, rej)
             task = asyncio.current_task()
@@ -98,10 +101,13 @@ class Forwarder:
                         "step %s failed after %s %s", type(step).__name__, request.method, request.path
                     )
 
-    async def _prepare(self, flow: Flow) -> None:
+    async def _prepare(self, flow: Flow, clients: ClientAuth) -> None:
         request = flow.request
         flow.run = parse_run_headers(
-            request.headers, self.config.caps, require_run_id=self.config.require_run_id
+            request.headers,
+            self.config.caps,
+            require_run_id=self.config.require_run_id,
+            tenant=clients.tenant(request),
         )
         try:
             flow.body = await request.read()
@@ -137,7 +143,7 @@ class Forwarder:
 
     def _upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
         key = flow.upstream.api_key
-        out = request_headers(flow.request.headers, _CREDENTIALS if key else ())
+        out = request_headers(flow.request.headers, AGENT_CREDENTIALS if key else ())
         if key:
             if flow.flavor == "anthropic":
                 out["x-api-key"] = key
@@ -150,7 +156,7 @@ class Forwarder:
         timeout = None if deadline is None else max(0.0, deadline - time.time())
         body = orjson.dumps(flow.body_json) if flow.body_changed else flow.body
         flow.sent_body = body
-        url = flow.upstream.url + flow.path
+        url = flow.target.url
         reply: web.StreamResponse | None = None
         upstream: aiohttp.ClientResponse | None = None
         try:
@@ -235,7 +241,12 @@ class Forwarder:
 
     async def _relay(self, flow: Flow, upstream: aiohttp.ClientResponse, reply: web.StreamResponse) -> None:
         """Relay bytes as they arrive; the adapter's reader reads usage and tool calls on the way
-        (and drops the usage chunk runcap asked for when the agent did not)."""
+        (and drops the usage chunk runcap asked for when the agent did not).
+
+        A stream the upstream ended without its closing event (an error event, a close after the
+        deltas, an event too long to read) is `incomplete`: its usage is not final, so the budget
+        settles it at least at its reservation. One that closed with an error it reported
+        (Responses `response.failed`) is an `error`, settled at the usage it reported."""
         reader = None
         if flow.adapter is not None and upstream.status < 400:
             strip = flow.injected_stream_usage and not (flow.info and flow.info.client_wants_stream_usage)
@@ -247,6 +258,7 @@ class Forwarder:
             if first:
                 flow.ttft_ms = flow.duration_ms
                 first = False
+            flow.response_bytes += len(chunk)
             if captured is not None:
                 if len(captured) + len(chunk) <= capture_limit:
                     captured += chunk
@@ -259,7 +271,13 @@ class Forwarder:
             tail = reader.close()
             if tail:
                 await reply.write(tail)
-            flow.response_info = reader.info
+            info = flow.response_info = reader.info
+            if flow.outcome == "ok" and not info.complete:
+                flow.outcome = "incomplete"
+                flow.error = info.error or "the stream ended without its closing event"
+            elif flow.outcome == "ok" and info.error:
+                flow.outcome = "error"
+                flow.error = info.error
         await reply.write_eof()
 
     async def _cut(self, flow: Flow, reply: web.StreamResponse | None, rej: Rejection) -> web.StreamResponse:

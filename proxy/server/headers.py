@@ -18,8 +18,15 @@ HOP_BY_HOP = frozenset(
         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
     }
 )  # fmt: skip
+# The agent's credentials: they go to model upstreams only (unless the upstream has a key of its
+# own), never to tools or MCP servers unless that tool allow-lists the header.
+AGENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "cookie", "proxy-authorization")
 # The upstream may compress; aiohttp decompresses, so the agent gets identity bytes.
-_REQUEST_EXTRA = frozenset({"accept-encoding"})
+# Method overrides: a GET that an upstream reads as a POST would be a paid call runcap let pass
+# as a free read.
+_REQUEST_EXTRA = frozenset(
+    {"accept-encoding", "x-http-method-override", "x-http-method", "x-method-override"}
+)
 _RESPONSE_EXTRA = frozenset({"content-encoding"})
 
 

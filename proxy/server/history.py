@@ -56,14 +56,16 @@ class ConversationMemory:
     def __init__(self, limit: int = 50_000) -> None:
         self.limit = limit
         self._runs: OrderedDict[str, _Call] = OrderedDict()
-        # Responses this process saw answered: id → the tokens a call continuing it re-reads
-        # (its input and output), for `previous_response_id`.
+        # Answers this process saw (OpenAI responses, Anthropic messages): id → the tokens a call
+        # continuing it re-reads (its input and output, with the margins of an answer read
+        # back), for `previous_response_id` and a continued Anthropic thread.
         self._responses: OrderedDict[str, int] = OrderedDict()
 
     def stored_tokens(self, stored_context: str) -> int | None:
         """Tokens of provider-stored input a request extends, when this process knows them."""
-        if stored_context.startswith("response:"):
-            return self._responses.get(stored_context.removeprefix("response:"))
+        kind, _, answer_id = stored_context.partition(":")
+        if kind in ("response", "message"):
+            return self._responses.get(answer_id)
         return None
 
     def bound(self, run_id: str, adapter: Adapter, info: RequestInfo) -> int:
@@ -91,7 +93,12 @@ class ConversationMemory:
     def remember(self, run_id: str, info: RequestInfo, usage: Usage, response: ResponseInfo) -> None:
         """A call settled with the provider's own usage: keep what the next call can build on."""
         if response.response_id and info.stored_context != "server-side":
-            self._responses[response.response_id] = usage.input_tokens + usage.output_tokens
+            self._responses[response.response_id] = (
+                usage.input_tokens
+                + usage.output_tokens
+                + ANSWER_MARGIN
+                + TOOL_CALL_MARGIN * len(response.tool_calls)
+            )
             self._responses.move_to_end(response.response_id)
             if len(self._responses) > self.limit:
                 self._responses.popitem(last=False)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -12,10 +10,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.caps import RUN_ID_RE
+from proxy.caps import LEDGER_RUN_ID_RE
 from proxy.errors import InvalidRequest, NotFound, Unauthorized
 from proxy.ledger.base import Ledger, RunState
 from proxy.money import format_usd
+from proxy.server.auth import AdminGuard
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
 from proxy.spans.clickhouse import SpanQueryError, SpanStoreError
@@ -69,30 +68,6 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
-class AdminGuard:
-    """`Authorization: Bearer $RUNCAP_ADMIN_TOKEN`; with no token configured, loopback only."""
-
-    def __init__(self, token: str | None) -> None:
-        self.token = token
-
-    def check(self, request: web.Request) -> None:
-        if self.token:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                raise Unauthorized("admin endpoint: send Authorization: Bearer $RUNCAP_ADMIN_TOKEN")
-            return
-        remote = request.remote or ""
-        try:
-            loopback = ipaddress.ip_address(remote.split("%")[0]).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise Unauthorized(
-                "admin endpoint: only loopback clients may call it while no admin token is set "
-                "(set RUNCAP_ADMIN_TOKEN)"
-            )
-
-
 class OpsRoutes:
     def __init__(
         self,
@@ -131,17 +106,23 @@ class OpsRoutes:
 
     def _run_id(self, request: web.Request) -> str:
         run_id = request.match_info["run_id"]
-        if not RUN_ID_RE.match(run_id):
-            raise InvalidRequest(f"run id {run_id[:140]!r} is not valid (1-128 of A-Z a-z 0-9 . _ : -)")
+        if not LEDGER_RUN_ID_RE.match(run_id):
+            raise InvalidRequest(
+                f"run id {run_id[:140]!r} is not valid (A-Z a-z 0-9 . _ : -; with client tokens "
+                "`{tenant}:{run id}`)"
+            )
         return run_id
 
     async def get_run(self, request: web.Request) -> web.StreamResponse:
+        # Admin only: a run id is not a secret (it is in logs, URLs, spans); agents read their
+        # budget from the X-Run-Remaining-* headers of their own calls.
         try:
+            self.guard.check(request)
             run_id = self._run_id(request)
             state = await self.ledger.get_run(run_id)
             if state is None:
                 raise NotFound(f"no run {run_id!r} in the ledger")
-        except (InvalidRequest, NotFound) as rej:
+        except (InvalidRequest, NotFound, Unauthorized) as rej:
             return rej.response("openai")
         return _json(run_json(state, time.time()))
 

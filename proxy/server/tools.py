@@ -24,12 +24,14 @@ import asyncio
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.caps import RunRequest, parse_run_headers
 from proxy.config import Config, ToolConfig
@@ -45,12 +47,14 @@ from proxy.errors import (
 )
 from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
 from proxy.ledger.base import IdempotencyRecord, Ledger, RunState, ToolCallRequest
+from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights
 from proxy.server.forward import release_or_drop
-from proxy.server.headers import request_headers, response_headers
+from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
 from proxy.server.trace import run_snapshot
+from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 from proxy.spans.model import Span
 from proxy.spans.recorder import NullRecorder, SpanRecorder
 
@@ -67,6 +71,8 @@ class ToolCall:
     """One `/tools` request, for the span and for `Flights` (a cancel sets `cut_reason`)."""
 
     tool: str
+    known: bool = True  # a configured tool (metric labels name only those)
+    path: str = ""  # decoded sub-path after /tools/{name}, with the query
     started: float = field(default_factory=time.perf_counter)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     run: RunRequest | None = None
@@ -82,13 +88,40 @@ class ToolCall:
     cut_reason: str | None = None
 
 
+class ToolResponseTooLarge(Exception):
+    def __init__(self, size: int | None) -> None:
+        super().__init__(size)
+        self.size = size  # the declared Content-Length, when there was one
+
+
+async def read_bounded(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole answer, or `ToolResponseTooLarge` as soon as it passes `limit` bytes (memory
+    and the ledger's outcome record stay bounded whatever a tool sends)."""
+    declared = upstream.content_length
+    if declared is not None and declared > limit:
+        raise ToolResponseTooLarge(declared)
+    data = bytearray()
+    async for chunk in upstream.content.iter_any():
+        data += chunk
+        if len(data) > limit:
+            raise ToolResponseTooLarge(None)
+    return bytes(data)
+
+
 def has_side_effects(tool: ToolConfig, method: str) -> bool:
     return tool.side_effects if tool.side_effects is not None else method.upper() in SIDE_EFFECT_METHODS
+
+
+def canonical_query(query: str) -> str:
+    """The query as an operation's identity: pairs decoded and sorted (`?b=2&a=1` is `?a=1&b=2`)."""
+    return urlencode(sorted(parse_qsl(query, keep_blank_values=True)))
 
 
 def derive_key(
     run_id: str, tool: ToolConfig, method: str, tail: str, query: str, body: bytes, operation_id: str | None
 ) -> str:
+    """`tail` is the decoded sub-path, `query` the canonical query (`canonical_query`): two
+    spellings of one operation (`%41` for `A`, reordered parameters) get one key."""
     ok, parsed = parse_json(body) if body else (True, None)
     if not ok:
         key_args: Any = {"raw_sha256": hashlib.sha256(body).hexdigest()}
@@ -120,8 +153,10 @@ class ToolGateway:
         flights: Flights,
         metrics: Metrics,
         recorder: SpanRecorder | None = None,
+        clients: ClientAuth | None = None,
     ) -> None:
         self.config = config
+        self.clients = clients or ClientAuth({})
         self.ledger = ledger
         self.flights = flights
         self.metrics = metrics
@@ -150,7 +185,9 @@ class ToolGateway:
     # -- the call -------------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        call = ToolCall(request.match_info["name"])
+        name = request.match_info["name"]
+        # Metric labels stay bounded: a name that is not configured counts as "unknown".
+        call = ToolCall(name, known=name in self.config.tools)
         try:
             return await self._handle(request, call)
         except Rejection as rej:
@@ -168,8 +205,15 @@ class ToolGateway:
                 param="tool",
             )
         run = call.run = parse_run_headers(
-            request.headers, self.config.caps, require_run_id=self.config.require_run_id
+            request.headers,
+            self.config.caps,
+            require_run_id=self.config.require_run_id,
+            tenant=self.clients.tenant(request),
         )
+        # Everything that can fail before the tool is reached fails here, before the ledger
+        # records an intent: a call refused now can never be left `unknown`.
+        segments, query = remaining_segments(request.raw_path, 2)
+        target = tool.base.target(segments, query)
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -177,7 +221,8 @@ class ToolGateway:
                 f"request body is larger than max_body_bytes = {self.config.max_body_bytes} bytes",
                 param="max_body_bytes",
             ) from None
-        tail = request.match_info.get("tail", "")
+        tail = "/".join(unquote(seg) for seg in segments)
+        headers = self._tool_headers(request, tool, run)
         call.args_hash = args_hash(body)
         if has_side_effects(tool, request.method):
             if run.generated:
@@ -187,12 +232,18 @@ class ToolGateway:
                     "idempotency key is namespaced by the run, so without one a retry would execute again",
                     param="X-Run-Id",
                 )
-            call.key = run.idempotency_key or derive_key(
-                run.run_id, tool, request.method, tail, request.query_string, body, run.operation_id
-            )
+        query = canonical_query(query)
+        call.path = tail + (f"?{query}" if query else "")
+        # The operation's identity (what the derived key hashes), also under a caller's own key:
+        # the ledger refuses a key reused for another operation (422), never replays it.
+        op_hash = ""
+        if has_side_effects(tool, request.method):
+            op_hash = derive_key(run.run_id, tool, request.method, tail, query, body, run.operation_id)
+            call.key = run.idempotency_key or op_hash
         req = ToolCallRequest(
-            run.run_id, run.task, run.caps, time.time(), tool.name, call.key, call.args_hash
-        )
+            run.run_id, run.task, run.caps, time.time(), tool.name, call.key, call.args_hash,
+            method=request.method.upper(), path=call.path, op_hash=op_hash,
+        )  # fmt: skip
 
         task = asyncio.current_task()
         assert task is not None
@@ -204,7 +255,7 @@ class ToolGateway:
                 assert start.record is not None
                 return self._replay(call, start.record, start.state)
             try:
-                return await self._execute(request, call, tool, tail, body, start.state)
+                return await self._execute(request, call, tool, target, headers, body, start.state)
             except (Rejection, asyncio.CancelledError):
                 raise
             except Exception:
@@ -244,9 +295,7 @@ class ToolGateway:
             else:
                 await asyncio.sleep(pause)
                 delay = min(delay * 2, 0.1)
-            req = ToolCallRequest(
-                req.run_id, req.task, req.caps, time.time(), req.tool, req.key, req.args_hash
-            )
+            req = replace(req, now=time.time())
 
     def _replay(self, call: ToolCall, record: IdempotencyRecord, state: RunState) -> web.Response:
         call.status = record.status or 200
@@ -258,8 +307,25 @@ class ToolGateway:
             headers["Idempotency-Key"] = call.key
         return web.Response(status=call.status, body=record.body, headers=headers)
 
+    def _tool_headers(self, request: web.Request, tool: ToolConfig, run: RunRequest) -> CIMultiDict[str]:
+        """The agent's headers minus its credentials (unless the tool allow-lists one), plus the
+        tool's configured headers and the run's id."""
+        drop = (*(h for h in AGENT_CREDENTIALS if h not in tool.forward_headers), "idempotency-key")
+        headers = request_headers(request.headers, drop)
+        for name, value in tool.headers.items():
+            headers[name] = value
+        headers["X-Run-Id"] = run.run_id
+        return headers
+
     async def _execute(
-        self, request: web.Request, call: ToolCall, tool: ToolConfig, tail: str, body: bytes, state: RunState
+        self,
+        request: web.Request,
+        call: ToolCall,
+        tool: ToolConfig,
+        target: UpstreamTarget,
+        headers: CIMultiDict[str],
+        body: bytes,
+        state: RunState,
     ) -> web.StreamResponse:
         run = call.run
         assert run is not None and self.session is not None
@@ -271,18 +337,11 @@ class ToolGateway:
             timeout = tool.timeout_s
         by_deadline = remaining is not None and timeout == remaining
 
-        headers = request_headers(request.headers, ("idempotency-key",))
-        for name, value in tool.headers.items():
-            headers[name] = value
-        headers["X-Run-Id"] = run.run_id
         if call.key is not None:
             headers["Idempotency-Key"] = call.key
         if deadline is not None:
             headers["X-Run-Deadline"] = iso(deadline) or ""
             headers["X-Run-Remaining-Ms"] = str(int((remaining or 0.0) * 1000))
-        url = tool.url + (f"/{tail}" if tail else "")
-        if request.query_string:
-            url += f"?{request.query_string}"
 
         recorder = self.recorder
         if body:
@@ -296,9 +355,22 @@ class ToolGateway:
             try:
                 async with asyncio.timeout(timeout):
                     upstream = await self.session.request(
-                        request.method, url, headers=headers, data=body, allow_redirects=False
+                        request.method, target.url, headers=headers, data=body, allow_redirects=False
                     )
-                    data = await upstream.read()
+                    data = await read_bounded(upstream, self.config.tool_max_response_bytes)
+                    status, answer_headers = upstream.status, upstream.headers
+            except ToolResponseTooLarge as e:
+                # The tool ran and answered, but its answer is too large to hold: that is the
+                # outcome (a repeat replays this 502, never a second execution).
+                limit = self.config.tool_max_response_bytes
+                status, answer_headers = 502, CIMultiDict({"Content-Type": "application/json"})
+                data = UpstreamUnavailable(
+                    f"tool {tool.name!r} answered with {e.size or 'more than'} bytes, over "
+                    f"tool_max_response_bytes = {limit}; the answer was cut off (the call did take "
+                    "place: it is recorded and will not be executed again)",
+                    code="tool_response_too_large",
+                    param="tool_max_response_bytes",
+                ).body("openai")
             except TimeoutError:
                 await self._unknown(call, "deadline" if by_deadline else "tool timeout")
                 if by_deadline:
@@ -352,31 +424,29 @@ class ToolGateway:
         task = asyncio.current_task()
         if task is not None:
             self.flights.remove(run.run_id, task)
-        call.status = upstream.status
+        call.status = status
         call.result_hash = result_hash(data)
-        if upstream.status >= 400:
+        if status >= 400:
             call.outcome = "error"
             call.error = data[:500].decode("utf-8", "replace")
         call.response_hash = recorder.payload(
-            data, is_error=upstream.status >= 400, content_type=upstream.headers.get("content-type", "")
+            data, is_error=status >= 400, content_type=answer_headers.get("content-type", "")
         )
         if call.key is not None:
-            recorded = {h: upstream.headers[h] for h in RECORDED_HEADERS if h in upstream.headers}
+            recorded = {h: answer_headers[h] for h in RECORDED_HEADERS if h in answer_headers}
             # The answer is the outcome, whatever its status: a repeat replays it.
             await asyncio.shield(
                 self._timed(
                     "tool_complete",
-                    self.ledger.complete_tool_call(
-                        run.run_id, call.key, upstream.status, recorded, data, time.time()
-                    ),
+                    self.ledger.complete_tool_call(run.run_id, call.key, status, recorded, data, time.time()),
                 )
             )
             event.set()
-        out = response_headers(upstream.headers)
+        out = response_headers(answer_headers)
         out.update(tool_run_headers(state, time.time()))
         if call.key is not None:
             out["Idempotency-Key"] = call.key
-        return web.Response(status=upstream.status, body=data, headers=out)
+        return web.Response(status=status, body=data, headers=out)
 
     async def _unknown(self, call: ToolCall, reason: str) -> None:
         if call.key is None or call.run is None:
@@ -414,7 +484,7 @@ class ToolGateway:
     # -- span and metrics -----------------------------------------------------------------------
 
     def _record(self, request: web.Request, call: ToolCall) -> None:
-        self.metrics.tool_calls.labels(call.tool, call.outcome).inc()
+        self.metrics.tool_calls.labels(call.tool if call.known else "unknown", call.outcome).inc()
         recorder = self.recorder
         if call.run is None:
             return
@@ -437,7 +507,7 @@ class ToolGateway:
                     idempotency_key=call.key or "",
                     request_hash=call.request_hash,
                     response_hash=call.response_hash,
-                    attributes={"tool.path": request.match_info.get("tail", "")},
+                    attributes={"tool.path": call.path},
                 )
             )
             if call.state is not None:  # the run's executed tool calls changed

@@ -80,8 +80,11 @@ class TraceStep:
         pass
 
     async def done(self, flow: Flow) -> None:
-        if flow.adapter is None or flow.run is None:
-            return  # pass-through: traced by metrics and the access log only
+        if flow.run is None:
+            return
+        if flow.adapter is None:
+            self._passthrough(flow)
+            return
         rec = self.recorder
         is_error = flow.outcome != "ok"
         request_hash = rec.payload(flow.sent_body, is_error=is_error) if flow.sent_body else ""
@@ -178,3 +181,36 @@ class TraceStep:
                 )
         if state is not None:
             rec.run(run_snapshot(state))
+
+    def _passthrough(self, flow: Flow) -> None:
+        """An endpoint runcap does not meter is still a step event: a `model` span naming the
+        method and endpoint, with status, latency and outcome (no usage, no cost)."""
+        assert flow.run is not None
+        state = flow.state
+        attributes = {
+            "upstream": flow.upstream.name,
+            "passthrough": "true",
+            "http.method": flow.request.method,
+            "request.bytes": str(len(flow.body)),
+            "response.bytes": str(flow.response_bytes),
+        }
+        if flow.run.generated:
+            attributes["generated_run_id"] = "true"
+        self.recorder.span(
+            Span(
+                run_id=flow.run.run_id,
+                kind="model",
+                step=state.steps if state is not None else 0,
+                started_at=utc(flow.started_wall),
+                duration_ms=flow.duration_ms,
+                ttft_ms=flow.ttft_ms,
+                task=flow.run.task or (state.task if state else ""),
+                provider=flow.upstream.name,
+                endpoint=flow.target.path[:256],
+                status_code=flow.status,
+                outcome=flow.outcome,
+                error=flow.error[:2000],
+                price_known=False,
+                attributes=attributes,
+            )
+        )

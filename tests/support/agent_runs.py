@@ -96,7 +96,7 @@ async def agent(
     return 200
 
 
-async def run_fleet(base: str, upstream: ScriptedUpstream) -> Fleet:
+async def run_fleet(base: str, upstream: ScriptedUpstream, admin: dict[str, str]) -> Fleet:
     upstream.scripts.update(SCRIPTS)
     fleet = Fleet()
     # task "refunds": a completed run with a repeated refund (the second execution is replayed)
@@ -130,7 +130,7 @@ async def run_fleet(base: str, upstream: ScriptedUpstream) -> Fleet:
     fleet.runs["srch-3"] = ("search", "deadline_exceeded")
     # a cancel: one answer, cancelled, the next call is refused (410)
     await agent(base, "srch-4", "search", "plain", model="gpt-4.1-mini")
-    async with aiohttp.ClientSession() as s, s.post(f"{base}/runs/srch-4/cancel") as r:
+    async with aiohttp.ClientSession() as s, s.post(f"{base}/runs/srch-4/cancel", headers=admin) as r:
         assert r.status == 200, await r.text()
     fleet.errors["srch-4"] = await agent(base, "srch-4", "search", "plain", model="gpt-4.1-mini")
     fleet.runs["srch-4"] = ("search", "cancelled")

@@ -214,7 +214,8 @@ class Agent:
                 err = body.get("error", body) if isinstance(body, dict) else {}
                 seen.refusals.append((e.status_code, str(err.get("code") or err.get("type"))))
                 if e.status_code == 504:
-                    with urllib.request.urlopen(f"{self.base}/runs/{seen.run_id}", timeout=10) as r:
+                    ask = urllib.request.Request(f"{self.base}/runs/{seen.run_id}", headers=self.admin)
+                    with urllib.request.urlopen(ask, timeout=10) as r:
                         ledger = Decimal(json.loads(r.read())["cost_usd"])
                     seen.cut_charge = ledger - seen.cost(PriceBook())
                 return seen

@@ -16,6 +16,7 @@ class ToolHit:
     method: str
     path: str
     query: str
+    raw_path: str  # the request target as received: still percent-encoded, with the query
     headers: dict[str, str]  # lower-cased names
     body: bytes
     disconnected: bool = False
@@ -57,7 +58,7 @@ class ToolService:
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         hit = ToolHit(
-            request.method, request.path, request.query_string,
+            request.method, request.path, request.query_string, request.raw_path,
             {k.lower(): v for k, v in request.headers.items()}, body,
         )  # fmt: skip
         self.hits.append(hit)

@@ -1,0 +1,105 @@
+"""Who may call what (DESIGN.md "Trust model"): the admin token, and client tokens → tenants.
+
+* Admin routes (`/admin/*`, `GET /runs/{id}`, cancel, reconcile) always need
+  `Authorization: Bearer <admin token>`. There is no loopback exception: in a sidecar the agent
+  *is* a loopback client. With no `RUNCAP_ADMIN_TOKEN` configured, the server generates one and
+  keeps it in `data_dir/admin.token` (mode 0600), where the CLI finds it.
+* With `[auth] client_tokens` (a shared gateway), every proxy request carries
+  `X-Run-Client-Token`; its tenant namespaces the run ids (`{tenant}:{run id}`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+from aiohttp import web
+
+from proxy.errors import Unauthorized
+
+ADMIN_TOKEN_FILE = "admin.token"
+CLIENT_TOKEN_HEADER = "X-Run-Client-Token"
+
+
+def read_admin_token(data_dir: Path) -> str | None:
+    """The generated admin token of the runcap using `data_dir`, if there is one."""
+    try:
+        token = (data_dir / ADMIN_TOKEN_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
+    return token or None
+
+
+def cli_admin_token(admin_token: str | None, data_dir: Path) -> str | None:
+    """The token a CLI command sends: RUNCAP_ADMIN_TOKEN, the configured one, else the one the
+    server generated in the data directory (`--data-dir`)."""
+    return os.environ.get("RUNCAP_ADMIN_TOKEN") or admin_token or read_admin_token(data_dir)
+
+
+def ensure_admin_token(data_dir: Path) -> str:
+    """The admin token in `data_dir/admin.token`, generated (mode 0600) when absent. Safe when
+    several workers start at once: the first to create the file wins, the others read it."""
+    token = read_admin_token(data_dir)
+    if token:
+        return token
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / ADMIN_TOKEN_FILE
+    token = secrets.token_urlsafe(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        existing = read_admin_token(data_dir)
+        if existing:
+            return existing
+        raise
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+class AdminGuard:
+    """`Authorization: Bearer <admin token>` on every admin route."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("AdminGuard needs a token")
+        self._expected = f"Bearer {token}".encode()
+
+    def check(self, request: web.Request) -> None:
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, self._expected):
+            raise Unauthorized(
+                "admin endpoint: send Authorization: Bearer <admin token> (RUNCAP_ADMIN_TOKEN, or the "
+                "token runcap generated in its data directory's admin.token)"
+            )
+
+
+class ClientAuth:
+    """Client token → tenant; with no tokens configured every request is its own tenant-less
+    client (the sidecar case)."""
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        # Looked up by digest, so the comparison does not leak a token's prefix through timing.
+        self._by_digest = {hashlib.sha256(t.encode()).digest(): tenant for t, tenant in tokens.items()}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._by_digest)
+
+    def tenant(self, request: web.Request) -> str | None:
+        """The request's tenant (None when client tokens are off). Raises `Unauthorized`."""
+        if not self._by_digest:
+            return None
+        given = request.headers.get(CLIENT_TOKEN_HEADER)
+        tenant = self._by_digest.get(hashlib.sha256(given.encode()).digest()) if given else None
+        if tenant is None:
+            raise Unauthorized(
+                f"{CLIENT_TOKEN_HEADER}: this runcap is shared ([auth] client_tokens); send your client "
+                "token in this header" + (" — the one sent is not known" if given else ""),
+                param=CLIENT_TOKEN_HEADER,
+            )
+        return tenant
