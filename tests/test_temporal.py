@@ -42,6 +42,7 @@ from temporalio.worker import Worker
 
 from examples.temporal.activities import AgentActivities
 from examples.temporal.workflow import AgentInput, AgentWorkflow
+from proxy.server.auth import read_admin_token
 from proxy.spans.model import trace_id_for_run
 from tests.conftest import REPO, RuncapProcess, free_port
 from tests.support.processes import stop_process
@@ -441,7 +442,7 @@ async def test_runcap_killed_mid_tool_call_waits_for_reconcile(temporal, upstrea
     upstream.scripts["refund"] = REFUND_SCRIPT
     tool.sleep_s = 30.0
     run_id, queue = ids("rcdied")
-    activities = AgentActivities(rc.url, admin_token=rc.runtime.config.admin_token)
+    activities = AgentActivities(rc.url, admin_token=read_admin_token(rc.data_dir))
     try:
         async with in_process_worker(temporal, queue, activities):
             handle = await temporal.start_workflow(
@@ -471,7 +472,8 @@ async def test_runcap_killed_mid_tool_call_waits_for_reconcile(temporal, upstrea
             tool.sleep_s = 0
             cli = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy.cli", "reconcile", "--url", rc.url, "--config", str(config),
-                key, "--not-done", cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                "--data-dir", str(rc.data_dir), key, "--not-done",
+                cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             )  # fmt: skip
             _, err = await cli.communicate()
             assert cli.returncode == 0, err.decode()

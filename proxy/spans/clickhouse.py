@@ -1,5 +1,6 @@
 """The ClickHouse end of the span pipeline: `ClickHouseSink` writes span and run batches and
-answers read-only SQL (the CLI, `POST /admin/sql`).
+answers read-only SQL (the CLI, `POST /admin/sql`). Every read passes the guard of
+proxy/spans/sqlguard.py first: one SELECT of runcap's tables with pure functions, nothing else.
 
 One code path, two backends, both through clickhouse-connect:
 
@@ -24,7 +25,7 @@ the CLI in-process, `/admin/sql` — reads through `ClickHouseSink.query`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import date, datetime
 from decimal import Decimal
 from ipaddress import IPv4Address, IPv6Address
@@ -41,6 +42,7 @@ from proxy.config import redact_url
 from proxy.spans.migrate import apply_migrations
 from proxy.spans.model import RunSnapshot, Span
 from proxy.spans.sink import SinkError
+from proxy.spans.sqlguard import QueryRefused, check_read_query
 
 # Column names, in `runcap.spans` order, with the ClickHouse types the inserts are encoded as.
 SPAN_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -187,21 +189,36 @@ class ClickHouseSink:
         """Run read-only SQL (`{name:Type}` parameters) and return (column names, rows), with
         JSON-friendly values: Decimal -> str, datetime/date -> ISO 8601 string, UUID/IP -> str.
 
-        Raises SpanQueryError (with ClickHouse's exception code; 164 READONLY for writes) when
-        ClickHouse rejects the query, SpanStoreError when the store cannot be reached."""
-        sql = sql.strip().rstrip(";").rstrip()
+        Every query passes `check_read_query` first (one SELECT of this database's tables, pure
+        functions, no SETTINGS: proxy/spans/sqlguard.py) and what runs is its canonical form.
+        Raises SpanQueryError when the guard refuses the query (164 READONLY for a statement that
+        is not a read, 497 ACCESS_DENIED otherwise; the cause is the guard's QueryRefused) or
+        ClickHouse rejects it (with ClickHouse's code), SpanStoreError when the store cannot be
+        reached."""
         with self._read_lock:
             if self._closed:
                 raise SpanStoreError(f"span store {self.location} is closed")
             try:
-                result = self._reader.query(sql, parameters=params or None)
-            except OperationalError as ex:
-                if not ex.code:  # transport failure, not an answer from ClickHouse
-                    raise SpanStoreError(f"span store {self.location} unreachable: {ex}") from ex
+                checked = check_read_query(sql, self._read_column, params=params, database=self.database)
+            except QueryRefused as ex:
                 raise SpanQueryError(str(ex), ex.code) from ex
-            except ClickHouseError as ex:
-                raise SpanQueryError(str(ex), getattr(ex, "code", None) or 0) from ex
+            result = self._read(checked.sql, checked.params)
             return list(result.column_names), [[_jsonable(v) for v in row] for row in result.result_rows]
+
+    def _read(self, sql: str, params: dict[str, Any] | None) -> Any:
+        """One statement on the read-only connection (the caller holds the read lock)."""
+        try:
+            return self._reader.query(sql, parameters=params or None)
+        except OperationalError as ex:
+            if not ex.code:  # transport failure, not an answer from ClickHouse
+                raise SpanStoreError(f"span store {self.location} unreachable: {ex}") from ex
+            raise SpanQueryError(str(ex), ex.code) from ex
+        except ClickHouseError as ex:
+            raise SpanQueryError(str(ex), getattr(ex, "code", None) or 0) from ex
+
+    def _read_column(self, sql: str, params: Mapping[str, Any] | None) -> list[Any]:
+        """The guard's `run_explain`: the first column of a statement's rows."""
+        return [row[0] for row in self._read(sql, dict(params or {})).result_rows]
 
     def close(self) -> None:
         with self._write_lock, self._read_lock:
@@ -215,18 +232,26 @@ class ClickHouseSink:
                     pass
 
 
-def open_span_store(url: str | None, data_dir: str | Path, database: str = "runcap") -> ClickHouseSink:
+def open_span_store(
+    url: str | None, data_dir: str | Path, database: str = "runcap", read_url: str | None = None
+) -> ClickHouseSink:
     """Open the span store and bring its schema up to date.
 
     `url` is RUNCAP_CLICKHOUSE_URL (`http(s)://user:pass@host:8123/db`; the path's database wins
-    over `database`); None means embedded chdb under `{data_dir}/clickhouse`.
+    over `database`); None means embedded chdb under `{data_dir}/clickhouse`. `read_url`, for a
+    server only, is where read queries go instead, as another user — in production the
+    `runcap_reader` user, whose grants and settings profile bound what a query can reach and cost
+    (docs/admin-sql.md); its path, when it has one, must name the same database.
     """
     if url:
-        return _open_server(url, database)
+        return _open_server(url, database, read_url)
     return _open_embedded(Path(data_dir) / EMBEDDED_SUBDIR, database)
 
 
-# Limits on every read-only query (/admin/sql, the CLI, dashboards through runcap).
+# Limits on every read-only query (/admin/sql, the CLI, dashboards through runcap). On a server
+# the runcap_reader settings profile holds the same values as constants
+# (deploy/clickhouse/users.d/runcap-reader.xml): clickhouse-connect then sends none of them, since
+# they already have these values, and a query cannot change them.
 QUERY_LIMITS = {
     "max_execution_time": 60,
     "max_memory_usage": 2_000_000_000,
@@ -236,14 +261,15 @@ QUERY_LIMITS = {
 }
 
 
-def _open_server(url: str, database: str) -> ClickHouseSink:
+def _server_client_args(url: str, setting: str) -> tuple[dict[str, Any], str]:
+    """clickhouse-connect arguments for a server URL, and the database its path names ('' if
+    none)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SpanStoreError(
-            f"RUNCAP_CLICKHOUSE_URL must look like http(s)://user:pass@host:8123/db, got {redact_url(url)!r}"
+            f"{setting} must look like http(s)://user:pass@host:8123/db, got {redact_url(url)!r}"
         )
-    database = unquote(parts.path.strip("/").split("/")[0]) or database
-    common = {
+    args = {
         "host": parts.hostname,
         "port": parts.port or (8443 if parts.scheme == "https" else 8123),
         "username": unquote(parts.username or "default"),
@@ -252,15 +278,30 @@ def _open_server(url: str, database: str) -> ClickHouseSink:
         # one client is shared by the pipeline thread and request handlers: no HTTP session state
         "autogenerate_session_id": False,
     }
+    return args, unquote(parts.path.strip("/").split("/")[0])
+
+
+def _open_server(url: str, database: str, read_url: str | None = None) -> ClickHouseSink:
+    common, named = _server_client_args(url, "RUNCAP_CLICKHOUSE_URL")
+    database = named or database
+    read_args = common
+    if read_url:
+        read_args, read_named = _server_client_args(read_url, "the read URL")
+        if read_named and read_named != database:
+            raise SpanStoreError(
+                f"the read URL {redact_url(read_url)} names database {read_named!r}, the span store is "
+                f"{database!r}"
+            )
     location = redact_url(url)
     try:
         # The database may not exist yet, so connect without it and qualify every table name.
         writer = clickhouse_connect.get_client(**common)
         apply_migrations(writer, database)
         # readonly=2: clickhouse-connect sets settings per request over HTTP, which readonly=1
-        # forbids; what files or URLs a query may read is the server's own access control.
+        # forbids. What a query may reach is sqlguard's check (every query) and, with a read URL,
+        # the reader user's grants; what it may cost, QUERY_LIMITS (constants in its profile).
         reader = clickhouse_connect.get_client(
-            **common, database=database, settings={"readonly": 2, **QUERY_LIMITS}, tz_mode="aware"
+            **read_args, database=database, settings={"readonly": 2, **QUERY_LIMITS}, tz_mode="aware"
         )
     except Exception as ex:
         raise SpanStoreError(
@@ -287,8 +328,9 @@ def _open_embedded(path: Path, database: str) -> ClickHouseSink:
         # per query would not do, since clickhouse-connect applies some statements' settings to
         # the chdb session with SET, and readonly cannot be unset again. readonly=1, not 2: the
         # engine runs inside runcap, so table functions (file(), url(): runcap's environment,
-        # its network) must stay out of reach of /admin/sql; and bounded, since a runaway query
-        # would take runcap's own memory and CPU.
+        # its network) must stay out of reach of /admin/sql — readonly=1 alone does not stop the
+        # scalar file(), sqlguard does; and bounded, since a runaway query would take runcap's
+        # own memory and CPU.
         reader = clickhouse_connect.get_client(
             interface="chdb",
             path=str(path),
