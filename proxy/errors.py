@@ -4,7 +4,9 @@ Every rejection of a run (budget, deadline, cancel, unknown side-effect outcome,
 is a `Rejection` carrying status, error type, code, message and the parameter at fault. The server
 renders it in the shape of the wire format the agent speaks (OpenAI or Anthropic) and always adds
 `x-should-retry: false`: the official SDKs retry 408/409/429/5xx unless told not to, and a budget
-stop retried is money spent twice.
+stop retried is money spent twice. The exceptions are the failures of what runcap depends on —
+an unreachable upstream (`UpstreamUnavailable`) and an unavailable run ledger
+(`LedgerUnavailable`, with `x-should-retry: true` and `retry-after`) — where a retry may succeed.
 """
 
 from __future__ import annotations
@@ -149,4 +151,34 @@ class UpstreamUnavailable(Rejection):
             body=self.body(flavor),
             content_type="application/json",
             headers=extra_headers or {},
+        )
+
+
+class LedgerUnavailable(Rejection):
+    """The run ledger could not be asked in time: unreachable, timed out, or its disk full. The
+    call was not forwarded (a call is never forwarded unmetered), so retrying later is safe and
+    may succeed: the one rejection that tells the SDKs to retry (`x-should-retry: true` and
+    `retry-after`). `code` says why: ledger_timeout, ledger_unreachable, ledger_disk_full or
+    ledger_error; `backend` names the ledger (`sqlite` / `redis`)."""
+
+    status = 503
+    type = "ledger_unavailable"
+
+    def __init__(
+        self, message: str, *, backend: str, code: str = "ledger_error", retry_after_s: int = 1
+    ) -> None:
+        super().__init__(
+            message,
+            code=code,
+            headers={"x-should-retry": "true", "retry-after": str(retry_after_s)},
+        )
+        self.backend = backend
+
+    def response(self, flavor: str, extra_headers: dict[str, str] | None = None) -> web.Response:
+        # Not the base class's `x-should-retry: false`: retrying is what the agent should do.
+        return web.Response(
+            status=self.status,
+            body=self.body(flavor),
+            content_type="application/json",
+            headers={**self.headers, **(extra_headers or {})},
         )

@@ -11,7 +11,9 @@ Rules (DESIGN.md "Enforcement rules"):
   refused only when even the input plus a useful output cannot fit; otherwise its output limit is
   clamped to what fits, so concurrent calls cannot jointly overshoot;
 * the next-to-last allowed call is answer-only (tools stripped); a call past it is refused;
-* settlement replaces the reservation by the actual usage;
+* settlement replaces the reservation by the actual usage — also a reservation a sweep already
+  charged at its reserved amount because its owner looked dead (`apply_unrecovery`): a settlement
+  always wins over a sweep's estimate, and nothing is ever charged twice;
 * a `/tools` call is counted (and refused past the tool-call cap) atomically with its idempotency
   record: a new side-effecting call is recorded `in_flight` before it is forwarded; a completed one
   is replayed; one in flight is waited for while its owner lives and is `unknown` (409 until
@@ -23,9 +25,11 @@ Rules (DESIGN.md "Enforcement rules"):
 from __future__ import annotations
 
 import abc
+import errno
 import itertools
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
@@ -78,6 +82,9 @@ class RunState:
     # The cap that forced an answer-only step; the run's next model call is refused with it.
     final_reason: str | None = None
     cancelled: bool = False
+    # Caps an operator set (`POST /runs/{id}/caps`), comma-separated RunCaps fields: headers no
+    # longer change them — an agent resending its original headers must not undo a top-up.
+    operator_caps: str = ""
 
     @property
     def tool_calls(self) -> int:
@@ -176,7 +183,8 @@ class Ledger(abc.ABC):
 
     @abc.abstractmethod
     async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
-        """Replace the reservation by what the call actually used."""
+        """Replace the reservation by what the call actually used (see the module's rules). A
+        settlement of a reservation already settled does nothing, so a retried one is safe."""
 
     @abc.abstractmethod
     async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
@@ -196,11 +204,49 @@ class Ledger(abc.ABC):
         """Record a terminal status seen outside a step (e.g. a deadline hit mid-call)."""
 
     @abc.abstractmethod
+    async def set_caps(self, run_id: str, change: CapsChange, now: float) -> tuple[RunCaps, RunState] | None:
+        """An operator's top-up (`POST /runs/{id}/caps`): set the named caps, raising or
+        lowering them (`apply_caps_change`). Returns (the caps before, the run after); None when
+        the run is unknown."""
+
+    @abc.abstractmethod
     async def recover(self) -> list[RecoveredReservation]:
         """Settle, at their reserved amount, the reservations of processes that died."""
 
     async def ping(self) -> None:  # noqa: B027 - optional for backends that cannot fail
-        """Raise when the backend is unreachable (readiness)."""
+        """Raise unless the backend accepts a write now (readiness)."""
+
+    # -- faults (proxy/ledger/guarded.py turns them into `LedgerUnavailable`) ----------------
+
+    @property
+    def location(self) -> str:
+        """Where the backend keeps its data, for messages: a file, a URL without its password."""
+        return ""
+
+    def failure_code(self, exc: BaseException) -> str | None:
+        """Whether `exc`, raised by an operation, means the backend is unavailable (not a bug):
+        `ledger_unreachable`, `ledger_timeout`, `ledger_disk_full` or `ledger_error`; None otherwise."""
+        if isinstance(exc, ConnectionError):
+            return "ledger_unreachable"
+        if isinstance(exc, OSError):
+            return "ledger_disk_full" if exc.errno == errno.ENOSPC else "ledger_error"
+        return None
+
+    def drain_in_doubt(self) -> list[Reservation | IdempotencyRecord]:
+        """Writes this instance sent whose outcome it never learnt (the connection failed after
+        sending), for calls that were then refused: reservations of calls never forwarded, and
+        `in_flight` records of tool calls never executed. Taken by the caller, which releases
+        each (`release_reservation`, `release_tool_call`) once the backend answers again."""
+        return []
+
+    async def release_reservation(self, reservation: Reservation) -> None:
+        """Drop the reservation of a call that was never forwarded (nothing was spent); nothing
+        happens when it was never written."""
+        await self.settle(reservation, Settlement(), time.time())
+
+    async def release_tool_call(self, record: IdempotencyRecord) -> None:  # noqa: B027
+        """Delete `record` — this instance's `in_flight` record of a call it never executed — if
+        it is still that record (same owner and creation time), and uncount the call."""
 
     def cancel_events(self) -> AsyncIterator[str] | None:
         """Run ids cancelled through other instances of this ledger, pushed as they happen
@@ -259,13 +305,47 @@ class Ledger(abc.ABC):
         Raises `RecordNotUnknown` when the record is not `unknown`."""
 
 
+# A cap an operator may set: RunCaps field → the value (None: remove the cap).
+CapsChange = dict[str, "int | float | None"]
+OPERATOR_CAPS = ("max_usd_nanos", "max_tokens", "max_steps", "max_tool_calls", "deadline")
+# Statuses a cap put the run in: a top-up that makes room lets the run continue.
+_CAP_STATUSES = {
+    "budget_exceeded": ("max_usd_nanos", "max_tokens"),
+    "steps_exceeded": ("max_steps",),
+    "tool_calls_exceeded": ("max_tool_calls",),
+    "deadline_exceeded": ("deadline",),
+}
+_FINAL_REASON_CAP = {"max_steps": "max_steps", "max_tool_calls": "max_tool_calls"}
+
+
+def apply_caps_change(state: RunState, change: CapsChange, now: float) -> None:
+    """Set the operator's caps on the run (only the caps named). A run stopped by a cap the
+    change raises is active again, and an answer-only final step forced by a raised cap no
+    longer ends it; a cancelled run stays cancelled."""
+    unknown = set(change) - set(OPERATOR_CAPS)
+    if unknown:
+        raise ValueError(f"not an operator cap: {sorted(unknown)}")
+    state.caps = replace(state.caps, **change, timeout_s=None)  # type: ignore[arg-type]
+    state.operator_caps = ",".join(sorted({*filter(None, state.operator_caps.split(",")), *change}))
+    if state.final_reason is not None and _FINAL_REASON_CAP[state.final_reason] in change:
+        state.final_reason = None
+    if not state.cancelled and any(cap in change for cap in _CAP_STATUSES.get(state.status, ())):
+        state.status = "active"
+    state.updated_at = max(state.updated_at, now)
+
+
 def new_run(run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
     return RunState(run_id=run_id, task=task, started_at=now, updated_at=now, caps=caps.resolve_deadline(now))
 
 
 def merge_caps(state: RunState, task: str, caps: RunCaps, now: float) -> None:
-    """Later requests may lower a cap, never raise it; a task label sticks once set."""
-    state.caps = state.caps.lowered_by(caps.resolve_deadline(state.started_at))
+    """Later requests may lower a cap, never raise it (nor change one an operator set); a task
+    label sticks once set."""
+    lowered = state.caps.lowered_by(caps.resolve_deadline(state.started_at))
+    if state.operator_caps:
+        kept = {name: getattr(state.caps, name) for name in state.operator_caps.split(",")}
+        lowered = replace(lowered, **kept)
+    state.caps = lowered
     if task and not state.task:
         state.task = task
     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
@@ -434,6 +514,19 @@ def apply_recovery(
     state.spent_usd_nanos += usd_nanos
     state.input_tokens += input_tokens
     state.output_tokens += output_tokens
+    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+
+
+def apply_unrecovery(
+    state: RunState, usd_nanos: int, input_tokens: int, output_tokens: int, now: float
+) -> None:
+    """Undo `apply_recovery`: the owner of a reservation charged at its reserved amount turned
+    out to be alive (it was swept during an outage), so the reservation is held again."""
+    state.spent_usd_nanos = max(0, state.spent_usd_nanos - usd_nanos)
+    state.input_tokens = max(0, state.input_tokens - input_tokens)
+    state.output_tokens = max(0, state.output_tokens - output_tokens)
+    state.reserved_usd_nanos += usd_nanos
+    state.reserved_tokens += input_tokens + output_tokens
     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
 
 

@@ -11,7 +11,11 @@ in Lua. Each operation is optimistic concurrency control:
      read, and writes nothing otherwise — the caller then re-reads and decides again.
 
 Why a compare-and-set script rather than WATCH/MULTI/EXEC: the same atomicity in two round trips
-instead of four, without pinning a pooled connection for the duration of a WATCH. The scripts
+instead of four, without pinning a pooled connection for the duration of a WATCH. Each script
+first checks whether the run already has the version it is about to write — its own write, sent
+again — and then answers as if it had just done it: so the client may resend a command whose
+connection broke (a pooled connection that died with a restarted Redis is replaced and the
+command resent once) without a reservation written twice or a refund applied twice. The scripts
 only compare strings and move values: no arithmetic happens in Lua, whose numbers are doubles —
 nano-dollar amounts travel as JSON integers decoded by Python, so they never lose precision.
 
@@ -20,6 +24,8 @@ expires after `retention_s` without writes):
 
   run:{run_id}            hash  v = version token, s = RunState JSON
   res:{owner}             hash  reservation id → JSON (run, usd, tokens) — a live process's
+  swept:{owner}           hash  the same, for reservations a sweep charged at their reserved
+                                amount (kept so a live owner swept by mistake can take them back)
   owners                  set   every ledger instance that may own reservations or in-flight calls
   owner:{owner}           str   heartbeat, with a TTL; refreshed every `heartbeat_s`
   call:{n}:{run_id}:{key} hash  st = state, m = record JSON (without the body), b = body;
@@ -38,6 +44,19 @@ records an old replica writes after the move are not seen by the new ones.
 A process that dies stops refreshing its heartbeat; once it has expired, any replica's sweep
 (`recover()`) settles its reservations at their reserved amount and turns its in-flight tool
 calls `unknown` — each step a compare-and-set, so two sweeping replicas never charge twice.
+
+Liveness across an outage. While Redis is down or frozen nobody can beat, and after a restart
+(or a freeze longer than the TTL) every heartbeat is gone at once. So:
+* every beat re-asserts the owner's heartbeat *and* its membership of `owners` (one round trip);
+* a sweep settles an owner only once it has seen its heartbeat missing on two sweeps more than
+  one TTL apart (`confirm_dead_s`): a live replica has beaten in between;
+* a replica that finds itself swept anyway (a partition, a stall longer than the TTL: its beat
+  re-added it to `owners`) re-asserts its in-flight reservations — each one moved back from
+  `swept:{owner}` to `res:{owner}` with the recovery charge undone, atomically — and a settlement
+  of a reservation still in `swept:` replaces the reserved amount charged by the actual usage.
+Writes whose answer was lost (the connection failed after a script was sent) are "in doubt":
+a reservation or an in-flight record of a call that was then refused is handed to the caller
+(`drain_in_doubt`), which releases it once Redis answers again.
 Cancels are published on `{prefix}cancel`; every replica's subscriber aborts its in-flight calls.
 Production: enable persistence on the Redis server (AOF `appendfsync everysec` at least), or a
 restart of Redis forgets budgets, spend and idempotency records.
@@ -58,16 +77,21 @@ from collections.abc import AsyncIterator
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.caps import RunCaps
+from proxy.config import redact_url
 from proxy.errors import Rejection
 from proxy.ledger.base import (
     COMPLETED,
     DEFAULT_RETENTION_S,
     IN_FLIGHT,
     UNKNOWN,
+    CapsChange,
     IdempotencyRecord,
     Ledger,
     RecordNotUnknown,
@@ -78,8 +102,10 @@ from proxy.ledger.base import (
     StepRequest,
     ToolCallRequest,
     ToolCallStart,
+    apply_caps_change,
     apply_recovery,
     apply_settlement,
+    apply_unrecovery,
     check_live,
     decide_step,
     decide_tool_call,
@@ -91,6 +117,7 @@ log = logging.getLogger("runcap.ledger")
 
 # KEYS: run  ARGV: expected version, state, ttl ms, new version
 _SAVE_RUN = """
+if redis.call('HGET', KEYS[1], 'v') == ARGV[4] then return 1 end  -- done: a retried send
 if (redis.call('HGET', KEYS[1], 'v') or '') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'v', ARGV[4], 's', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -99,6 +126,7 @@ return 1
 
 # KEYS: run, res:{owner}  ARGV: expected version, state, ttl ms, new version, reservation id, JSON
 _BEGIN_STEP = """
+if redis.call('HGET', KEYS[1], 'v') == ARGV[4] then return 1 end  -- done: a retried send
 if (redis.call('HGET', KEYS[1], 'v') or '') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'v', ARGV[4], 's', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -107,12 +135,37 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 
-# KEYS: run, res:{owner}  ARGV: expected version, state, ttl ms, new version, reservation id
-# -1: the reservation is gone (already settled, e.g. by a recovery) — never charge twice.
+# KEYS: run, res:{owner}, swept:{owner}  ARGV: expected version, state, ttl ms, new version,
+#       reservation id
+# -1: the reservation is gone (already settled) — never charge twice; -2: a sweep charged it at its
+# reserved amount (its owner was thought dead): settle it out of swept:{owner} with `_MOVE_RES`.
 _SETTLE = """
+if redis.call('HGET', KEYS[1], 'v') == ARGV[4] then return 1 end  -- done: a retried send
+if redis.call('HEXISTS', KEYS[2], ARGV[5]) == 0 then
+  if redis.call('HEXISTS', KEYS[3], ARGV[5]) == 1 then return -2 end
+  return -1
+end
+if (redis.call('HGET', KEYS[1], 'v') or '') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[5])
+redis.call('HSET', KEYS[1], 'v', ARGV[4], 's', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# Move one reservation between `from` and `to` (reservation hashes of one owner) with the run
+# written — a sweep (res → swept), a settlement of a swept one (swept → nowhere: JSON ''), or a
+# live owner taking one back (swept → res).
+# KEYS: run, from, to  ARGV: expected version, state, ttl ms, new version, reservation id, JSON
+# -1: the reservation is not in `from` (any more); 0: the run changed since it was read.
+_MOVE_RES = """
+if redis.call('HGET', KEYS[1], 'v') == ARGV[4] then return 1 end  -- done: a retried send
 if redis.call('HEXISTS', KEYS[2], ARGV[5]) == 0 then return -1 end
 if (redis.call('HGET', KEYS[1], 'v') or '') ~= ARGV[1] then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[5])
+if ARGV[6] ~= '' then
+  redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
 redis.call('HSET', KEYS[1], 'v', ARGV[4], 's', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
@@ -122,6 +175,7 @@ return 1
 # ARGV: expected version, state, ttl ms, new version, expected tc state, new tc state ('' = leave),
 #       record JSON, member, now
 _BEGIN_TOOL = """
+if redis.call('HGET', KEYS[1], 'v') == ARGV[4] then return 1 end  -- done: a retried send
 if (redis.call('HGET', KEYS[1], 'v') or '') ~= ARGV[1] then return 0 end
 if (redis.call('HGET', KEYS[2], 'st') or '') ~= ARGV[5] then return 0 end
 redis.call('HSET', KEYS[1], 'v', ARGV[4], 's', ARGV[2])
@@ -187,6 +241,7 @@ def _state_json(s: RunState) -> bytes:
             c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
             s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
             s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, s.cancelled,
+            s.operator_caps,
         ]
     )  # fmt: skip
 
@@ -199,6 +254,7 @@ def _json_state(raw: bytes) -> RunState:
         spent_usd_nanos=r[10], input_tokens=r[11], output_tokens=r[12], steps=r[13],
         tool_calls_requested=r[14], tool_calls_executed=r[15], reserved_usd_nanos=r[16],
         reserved_tokens=r[17], final_reason=r[18], cancelled=r[19],
+        operator_caps=r[20] if len(r) > 20 else "",  # written before operator top-ups existed
     )  # fmt: skip
 
 
@@ -242,17 +298,32 @@ class RedisLedger(Ledger):
         retention_s: float = DEFAULT_RETENTION_S,
         heartbeat_s: float = 2.0,
         heartbeat_ttl_s: float = 10.0,
+        confirm_dead_s: float | None = None,
+        op_timeout_s: float = 5.0,
     ) -> None:
+        """`confirm_dead_s`: how long an owner's heartbeat must have been seen missing before a
+        sweep settles its reservations (default: the heartbeat TTL; see the module docstring).
+        `op_timeout_s`: the socket timeout of each command."""
         self.url = url
         self.prefix = prefix
         self.retention_ms = int(retention_s * 1000)
         self.heartbeat_s = heartbeat_s
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        self.confirm_dead_s = heartbeat_ttl_s if confirm_dead_s is None else confirm_dead_s
         self.owner = secrets.token_hex(8)
-        self._r = aioredis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self._r = aioredis.from_url(
+            url,
+            socket_timeout=op_timeout_s,
+            socket_connect_timeout=op_timeout_s,
+            # Once, at once, on a new connection: pooled connections die with a restarted Redis
+            # (safe for the scripts: see "compare-and-set" above; the rest is idempotent).
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
+        )
         self._save_run = self._r.register_script(_SAVE_RUN)
         self._begin_step = self._r.register_script(_BEGIN_STEP)
         self._settle = self._r.register_script(_SETTLE)
+        self._move_res = self._r.register_script(_MOVE_RES)
         self._begin_tool = self._r.register_script(_BEGIN_TOOL)
         self._set_tool = self._r.register_script(_SET_TOOL)
         self._move_legacy = self._r.register_script(_MOVE_LEGACY)
@@ -263,6 +334,12 @@ class RedisLedger(Ledger):
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._started = False
         self._start_lock: asyncio.Lock | None = None
+        # Reservations handed out and not settled yet: what to re-assert if this owner is swept.
+        self._live: dict[str, Reservation] = {}
+        self._in_doubt: list[Reservation | IdempotencyRecord] = []
+        # Owners whose heartbeat a sweep found missing, and since when (loop-independent clock).
+        self._missing_since: dict[str, float] = {}
+        self._beat_failing = False
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -282,6 +359,9 @@ class RedisLedger(Ledger):
     def _k_inflight(self, owner: str) -> str:
         return f"{self.prefix}inflight:{owner}"
 
+    def _k_swept(self, owner: str) -> str:
+        return f"{self.prefix}swept:{owner}"
+
     @property
     def cancel_channel(self) -> str:
         return f"{self.prefix}cancel"
@@ -297,21 +377,66 @@ class RedisLedger(Ledger):
         async with self._start_lock:
             if self._started:
                 return
-            await self._beat()
-            await self._r.sadd(f"{self.prefix}owners", self.owner)
+            await self._beat(first=True)
             self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
             self._started = True
 
-    async def _beat(self) -> None:
-        await self._r.set(self._k_owner(self.owner), os.getpid(), px=self.heartbeat_ttl_ms)
+    async def _beat(self, first: bool = False) -> None:
+        """Refresh the heartbeat and re-assert membership of `owners` (an outage may have lost
+        either). Added back to `owners` after the first beat: a sweep took this owner for dead."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.set(self._k_owner(self.owner), os.getpid(), px=self.heartbeat_ttl_ms)
+        pipe.sadd(f"{self.prefix}owners", self.owner)
+        _, added = await pipe.execute()
+        if added and not first:
+            log.warning(
+                "redis ledger: this replica (%s) was taken for dead and swept; re-registered, "
+                "re-asserting its %d reservations in flight", self.owner, len(self._live),
+            )  # fmt: skip
+            await self._reassert()
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
                 await self._beat()
-            except Exception as e:  # keep beating; a few misses are within the TTL
-                log.warning("redis ledger heartbeat failed: %s", e)
+            except Exception as e:  # keep beating; a sweep waits for two misses a TTL apart
+                if not self._beat_failing:
+                    log.warning("redis ledger heartbeat failed (will keep trying): %s", e)
+                self._beat_failing = True
+            else:
+                if self._beat_failing:
+                    log.info("redis ledger heartbeat restored")
+                self._beat_failing = False
+
+    async def _reassert(self) -> int:
+        """Take back this owner's live reservations that a sweep charged at their reserved
+        amount: each moves from `swept:` back to `res:` with the charge undone."""
+        taken = 0
+        for res in list(self._live.values()):
+            raw = await self._r.hget(self._k_swept(self.owner), res.id)
+            if raw is None:
+                continue
+            _run, usd, tin, tout, _created = orjson.loads(raw)
+            attempt = 0
+            while True:
+                version, state = await self._read_run(res.run_id)
+                if state is None:
+                    break
+                apply_unrecovery(state, usd, tin, tout, time.time())
+                new_version, data = secrets.token_hex(8), _state_json(state)
+                ok = await self._move_res(
+                    keys=[self._k_run(res.run_id), self._k_swept(self.owner), self._k_res(self.owner)],
+                    args=[version, data, self.retention_ms, new_version, res.id, raw],
+                )
+                if ok == 1:
+                    self._remember(res.run_id, new_version, data)
+                    taken += 1
+                if ok != 0:
+                    break
+                attempt += 1
+                await self._retry(attempt)
+        return taken
 
     async def _owner_alive(self, owner: str) -> bool:
         return owner == self.owner or bool(await self._r.exists(self._k_owner(owner)))
@@ -374,38 +499,83 @@ class RedisLedger(Ledger):
                     continue
                 raise
             new_version, data = secrets.token_hex(8), _state_json(state)
-            ok = await self._begin_step(
-                keys=[self._k_run(req.run_id), self._k_res(self.owner)],
-                args=[
-                    version, data, self.retention_ms, new_version, res.id,
-                    orjson.dumps([res.run_id, res.usd_nanos, res.input_tokens, res.output_tokens, req.now]),
-                ],
-            )  # fmt: skip
+            try:
+                ok = await self._begin_step(
+                    keys=[self._k_run(req.run_id), self._k_res(self.owner)],
+                    args=[
+                        version, data, self.retention_ms, new_version, res.id,
+                        orjson.dumps(
+                            [res.run_id, res.usd_nanos, res.input_tokens, res.output_tokens, req.now]
+                        ),
+                    ],
+                )  # fmt: skip
+            except BaseException:  # also a cancel (timeout): the script may have run
+                self._in_doubt.append(res)
+                raise
             if ok:
                 self._remember(req.run_id, new_version, data)
+                self._live[res.id] = res
                 return res
             attempt += 1
             await self._retry(attempt)
 
     async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+        return await self._settle_reservation(reservation, settlement, now, quiet=False)
+
+    async def release_reservation(self, reservation: Reservation) -> None:
+        await self._settle_reservation(reservation, Settlement(), time.time(), quiet=True)
+
+    async def _settle_reservation(
+        self, reservation: Reservation, settlement: Settlement, now: float, *, quiet: bool
+    ) -> RunState:
         attempt = 0
+        swept = False  # a sweep charged it at its reserved amount: correct that charge
         while True:
             version, state = await self._read_run(reservation.run_id, cached=attempt == 0)
             if state is None:
+                self._live.pop(reservation.id, None)
                 raise KeyError(reservation.run_id)
+            if swept:
+                apply_unrecovery(
+                    state, reservation.usd_nanos, reservation.input_tokens, reservation.output_tokens, now
+                )
             apply_settlement(state, reservation, settlement, now)
             new_version, data = secrets.token_hex(8), _state_json(state)
-            ok = await self._settle(
-                keys=[self._k_run(reservation.run_id), self._k_res(self.owner)],
-                args=[version, data, self.retention_ms, new_version, reservation.id],
-            )
-            if ok == 1:
-                self._remember(reservation.run_id, new_version, data)
-                return state
-            if ok == -1:
-                log.warning(
-                    "reservation %s of run %s was already settled", reservation.id, reservation.run_id
+            if swept:
+                run_key, swept_key = self._k_run(reservation.run_id), self._k_swept(self.owner)
+                ok = await self._move_res(
+                    keys=[run_key, swept_key, self._k_res(self.owner)],
+                    args=[version, data, self.retention_ms, new_version, reservation.id, ""],
                 )
+            else:
+                ok = await self._settle(
+                    keys=[
+                        self._k_run(reservation.run_id), self._k_res(self.owner), self._k_swept(self.owner),
+                    ],
+                    args=[version, data, self.retention_ms, new_version, reservation.id],
+                )  # fmt: skip
+            if ok == 1:
+                self._live.pop(reservation.id, None)
+                self._remember(reservation.run_id, new_version, data)
+                if swept:
+                    log.warning(
+                        "reservation %s of run %s had been charged at its reserved amount by a sweep "
+                        "(this replica was taken for dead); now settled at its real usage",
+                        reservation.id, reservation.run_id,
+                    )  # fmt: skip
+                return state
+            if ok == -2:
+                swept = True
+                continue
+            if ok == -1 and swept:
+                swept = False  # taken back into res:{owner} meanwhile (`_reassert`): settle it there
+                continue
+            if ok == -1:
+                self._live.pop(reservation.id, None)
+                if not quiet:
+                    log.warning(
+                        "reservation %s of run %s was already settled", reservation.id, reservation.run_id
+                    )
                 _, current = await self._read_run(reservation.run_id)
                 return current or state
             attempt += 1
@@ -444,6 +614,21 @@ class RedisLedger(Ledger):
 
     async def set_status(self, run_id: str, status: str, now: float) -> None:
         await self._update(run_id, now, status=status)
+
+    async def set_caps(self, run_id: str, change: CapsChange, now: float) -> tuple[RunCaps, RunState] | None:
+        attempt = 0
+        while True:
+            version, state = await self._read_run(run_id)
+            if state is None:
+                return None
+            before = state.caps
+            apply_caps_change(state, change, now)
+            try:
+                await self._cas_run(version, state)
+                return before, state
+            except _Conflict:
+                attempt += 1
+                await self._retry(attempt)
 
     async def _update(
         self, run_id: str, now: float, *, cancel: bool = False, status: str | None = None
@@ -506,10 +691,20 @@ class RedisLedger(Ledger):
             await self._move_legacy_records()  # before the sweep: it looks records up by key
             self._record_keys_checked = True
         recovered: list[RecoveredReservation] = []
-        for raw in await self._r.smembers(f"{self.prefix}owners"):
-            owner = raw.decode()
+        owners = {raw.decode() for raw in await self._r.smembers(f"{self.prefix}owners")}
+        for owner in list(self._missing_since):
+            if owner not in owners:
+                del self._missing_since[owner]
+        for owner in owners:
             if await self._owner_alive(owner):
+                self._missing_since.pop(owner, None)
                 continue
+            # Dead only when seen missing on two sweeps more than `confirm_dead_s` apart: after
+            # an outage every heartbeat is missing at once, and a live owner beats again soon.
+            first = self._missing_since.setdefault(owner, time.monotonic())
+            if time.monotonic() - first < self.confirm_dead_s:
+                continue
+            del self._missing_since[owner]
             recovered += await self._settle_owner(owner)
             await self._unknown_owner(owner)
             if not await self._r.exists(self._k_res(owner), self._k_inflight(owner)):
@@ -566,9 +761,10 @@ class RedisLedger(Ledger):
                     await self._r.hdel(self._k_res(owner), rid)
                     break
                 apply_recovery(state, usd, tin, tout, time.time())
-                ok = await self._settle(
-                    keys=[self._k_run(run_id), self._k_res(owner)],
-                    args=[version, _state_json(state), self.retention_ms, secrets.token_hex(8), rid],
+                # Kept in swept:{owner}: an owner taken for dead by mistake takes it back.
+                ok = await self._move_res(
+                    keys=[self._k_run(run_id), self._k_res(owner), self._k_swept(owner)],
+                    args=[version, _state_json(state), self.retention_ms, secrets.token_hex(8), rid, raw],
                 )
                 if ok == 1:
                     out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
@@ -629,18 +825,25 @@ class RedisLedger(Ledger):
                 written = record
             owner = written.owner if written is not None else self.owner
             new_version, data = secrets.token_hex(8), _state_json(state)
-            ok = await self._begin_tool(
-                keys=[
-                    self._k_run(req.run_id), tc_key, self._k_inflight(owner),
-                    f"{self.prefix}unknown", f"{self.prefix}tcs",
-                ],
-                args=[
-                    version, data, self.retention_ms, new_version, read_st,
-                    written.state if written is not None else "",
-                    _record_json(written) if written is not None else "",
-                    _member(req.run_id, req.key or ""), req.now,
-                ],
-            )  # fmt: skip
+            new_call = written is not None and written.state == IN_FLIGHT and written.owner == self.owner
+            try:
+                ok = await self._begin_tool(
+                    keys=[
+                        self._k_run(req.run_id), tc_key, self._k_inflight(owner),
+                        f"{self.prefix}unknown", f"{self.prefix}tcs",
+                    ],
+                    args=[
+                        version, data, self.retention_ms, new_version, read_st,
+                        written.state if written is not None else "",
+                        _record_json(written) if written is not None else "",
+                        _member(req.run_id, req.key or ""), req.now,
+                    ],
+                )  # fmt: skip
+            except BaseException:  # also a cancel (timeout): the script may have run
+                if new_call:
+                    assert written is not None
+                    self._in_doubt.append(written)
+                raise
             if not ok:
                 attempt += 1
                 await self._retry(attempt)
@@ -784,10 +987,46 @@ class RedisLedger(Ledger):
                 attempt += 1
                 await self._retry(attempt)
 
+    # -- faults ---------------------------------------------------------------------------------
+
+    def drain_in_doubt(self) -> list[Reservation | IdempotencyRecord]:
+        taken, self._in_doubt = self._in_doubt, []
+        return taken
+
+    async def release_tool_call(self, record: IdempotencyRecord) -> None:
+        current = await self.get_tool_call(record.run_id, record.key)
+        if (
+            current is None
+            or current.state != IN_FLIGHT
+            or current.owner != self.owner
+            or current.created_at != record.created_at
+        ):
+            return  # never written, or another attempt's record by now: not ours to drop
+        if await self._write_record(IN_FLIGHT, None, delete=(record.run_id, record.key, self.owner)):
+            self._mine.pop((record.run_id, record.key), None)
+            await self._refund_tool_call(record.run_id, time.time())
+
+    @property
+    def location(self) -> str:
+        return redact_url(self.url)
+
+    def failure_code(self, exc: BaseException) -> str | None:
+        if isinstance(exc, RedisTimeoutError):
+            return "ledger_timeout"
+        if isinstance(exc, RedisConnectionError):
+            # BusyLoadingError (a restarted Redis loading its data) is a ConnectionError too.
+            return "ledger_unreachable"
+        if isinstance(exc, RedisError):
+            # MISCONF (cannot persist: disk full), READONLY, OOM... Redis refuses writes.
+            text = str(exc)
+            return "ledger_disk_full" if text.startswith("MISCONF") else "ledger_error"
+        return super().failure_code(exc)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        await self._r.ping()
+        """A write, as readiness needs: Redis may answer PING and still refuse writes."""
+        await self._r.set(f"{self.prefix}probe:{self.owner}", time.time(), px=60_000)
 
     async def close(self) -> None:
         if self._heartbeat_task is not None:

@@ -12,6 +12,13 @@ holds an exclusive `flock` on its own owner file for as long as it lives; a rese
 file can be locked by someone else belongs to a dead process and is settled at its reserved amount,
 and a tool call it left `in_flight` becomes `unknown` (it may or may not have reached the tool).
 
+Faults: a full disk, an I/O error or a lock held too long fail the operation with
+`sqlite3.OperationalError` (`failure_code` says which; the caller answers 503), and the transaction
+is rolled back, so nothing is half-written and the next operation works once space returns. The
+busy timeout is the ledger's operation timeout: the calls are synchronous, so it also bounds how
+long the event loop can wait for another worker's lock. Readiness (`ping`) writes a probe row and
+checks the free space of the file's disk.
+
 Retention: idempotency records, and runs without reservations, not updated for
 `ledger_retention_s` are deleted by the periodic recovery sweep.
 
@@ -24,6 +31,7 @@ composite primary key (run_id, key): no two (run, key) pairs share a row, whatev
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -41,6 +49,7 @@ from proxy.ledger.base import (
     DEFAULT_RETENTION_S,
     IN_FLIGHT,
     UNKNOWN,
+    CapsChange,
     IdempotencyRecord,
     Ledger,
     RecordNotUnknown,
@@ -51,8 +60,10 @@ from proxy.ledger.base import (
     StepRequest,
     ToolCallRequest,
     ToolCallStart,
+    apply_caps_change,
     apply_recovery,
     apply_settlement,
+    apply_unrecovery,
     check_live,
     decide_step,
     decide_tool_call,
@@ -104,11 +115,30 @@ CREATE TABLE IF NOT EXISTS tool_calls (
     PRIMARY KEY (run_id, key)
 );
 CREATE INDEX IF NOT EXISTS tool_calls_state ON tool_calls(state, updated_at);
+-- Reservations a sweep charged at their reserved amount (their owner looked dead): when the owner
+-- settles one after all, its real usage replaces that charge (`settle`). Purged with retention.
+CREATE TABLE IF NOT EXISTS swept_reservations (
+    owner TEXT NOT NULL,
+    id TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    usd INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    swept_at REAL NOT NULL,
+    PRIMARY KEY (owner, id)
+) WITHOUT ROWID;
+-- One row per live process, rewritten by each readiness check: proves the file takes writes.
+CREATE TABLE IF NOT EXISTS probe (owner TEXT PRIMARY KEY, at REAL NOT NULL) WITHOUT ROWID;
 """
+
+# Below this many free bytes on the ledger's disk runcap is not ready: SQLite needs room to grow
+# its WAL, and a write that fits today's WAL by luck says nothing about the next one.
+MIN_FREE_BYTES = 1 << 20
 
 # Columns added since the first release — to a new file as to an older one (`_upgrade`). A row
 # written before they were has method '' (IdempotencyRecord: its operation beyond the tool is not known).
 _ADDED_COLUMNS = {
+    "runs": (("operator_caps", "TEXT NOT NULL DEFAULT ''"),),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
         ("path", "TEXT NOT NULL DEFAULT ''"),
@@ -141,9 +171,9 @@ def _record_to_row(r: IdempotencyRecord) -> tuple:  # type: ignore[type-arg]
 _COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
-    "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled"
+    "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps"
 )
-_UPSERT = f"INSERT OR REPLACE INTO runs ({_COLUMNS}) VALUES ({', '.join('?' * 20)})"
+_UPSERT = f"INSERT OR REPLACE INTO runs ({_COLUMNS}) VALUES ({', '.join('?' * 21)})"
 
 
 def _row_to_state(row: tuple) -> RunState:  # type: ignore[type-arg]
@@ -164,6 +194,7 @@ def _row_to_state(row: tuple) -> RunState:  # type: ignore[type-arg]
         reserved_tokens=row[17],
         final_reason=row[18],
         cancelled=bool(row[19]),
+        operator_caps=row[20],
     )
 
 
@@ -174,20 +205,29 @@ def _state_to_row(s: RunState) -> tuple:  # type: ignore[type-arg]
         c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
+        s.operator_caps,
     )  # fmt: skip
 
 
 class SQLiteLedger(Ledger):
     name = "sqlite"
 
-    def __init__(self, path: str | os.PathLike[str], retention_s: float = DEFAULT_RETENTION_S) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        retention_s: float = DEFAULT_RETENTION_S,
+        *,
+        busy_timeout_s: float = 10.0,
+    ) -> None:
         self.path = Path(path)
         self.retention_s = retention_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._owners_dir = self.path.parent / "ledger-owners"
         self._owners_dir.mkdir(exist_ok=True)
         # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        self._db = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
+        )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
@@ -219,18 +259,27 @@ class SQLiteLedger(Ledger):
         """BEGIN IMMEDIATE ... COMMIT. A `Rejection` commits too (the run's new status, or the
         record turned unknown, is part of the answer); any other error rolls back."""
         db = self._db
+        if db.in_transaction:  # left open by a COMMIT that failed (disk full): never build on it
+            _rollback(db)
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
         except Rejection:
-            db.execute("COMMIT")
+            self._commit(db)
             raise
         except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+            _rollback(db)
             raise
         else:
+            self._commit(db)
+
+    @staticmethod
+    def _commit(db: sqlite3.Connection) -> None:
+        try:
             db.execute("COMMIT")
+        except BaseException:
+            _rollback(db)  # a failed COMMIT (disk full, I/O error) may leave the transaction open
+            raise
 
     async def begin_step(self, req: StepRequest) -> Reservation:
         with self._transaction() as db:
@@ -257,8 +306,24 @@ class SQLiteLedger(Ledger):
             state = self._load(reservation.run_id)
             if state is None:
                 raise KeyError(reservation.run_id)
+            swept = None
             if gone:
-                # Already settled by recovery (this process was thought dead): never charge twice.
+                swept = db.execute(
+                    "DELETE FROM swept_reservations WHERE owner = ? AND id = ? "
+                    "RETURNING usd, input_tokens, output_tokens",
+                    (self.owner, reservation.id),
+                ).fetchone()
+            if swept is not None:
+                # A sweep charged it at its reserved amount (this process was thought dead): the
+                # real usage replaces that charge — never charged twice, never left at the guess.
+                apply_unrecovery(state, *swept, now)
+                apply_settlement(state, reservation, settlement, now)
+                self._save(state)
+                log.warning(
+                    "reservation %s of run %s had been charged at its reserved amount by a sweep; "
+                    "now settled at its real usage", reservation.id, reservation.run_id,
+                )  # fmt: skip
+            elif gone:
                 log.warning(
                     "reservation %s of run %s was already settled", reservation.id, reservation.run_id
                 )
@@ -288,6 +353,16 @@ class SQLiteLedger(Ledger):
 
     async def set_status(self, run_id: str, status: str, now: float) -> None:
         self._update(run_id, now, status=status)
+
+    async def set_caps(self, run_id: str, change: CapsChange, now: float) -> tuple[RunCaps, RunState] | None:
+        with self._transaction():
+            state = self._load(run_id)
+            if state is None:
+                return None
+            before = state.caps
+            apply_caps_change(state, change, now)
+            self._save(state)
+            return before, state
 
     def _update(
         self, run_id: str, now: float, *, cancel: bool = False, status: str | None = None
@@ -333,7 +408,7 @@ class SQLiteLedger(Ledger):
         return recovered
 
     def purge(self, now: float) -> int:
-        """Delete idempotency records and idle runs older than the retention."""
+        """Delete idempotency records, idle runs and sweeps' records older than the retention."""
         cutoff = now - self.retention_s
         with self._transaction() as db:
             n = db.execute(
@@ -343,6 +418,7 @@ class SQLiteLedger(Ledger):
                 "DELETE FROM runs WHERE updated_at < ? AND run_id NOT IN (SELECT run_id FROM reservations)",
                 (cutoff,),
             ).rowcount
+            n += db.execute("DELETE FROM swept_reservations WHERE swept_at < ?", (cutoff,)).rowcount
             return n
 
     def _settle_owner(self, owner: str) -> list[RecoveredReservation]:
@@ -359,6 +435,11 @@ class SQLiteLedger(Ledger):
                     apply_recovery(state, usd, tin, tout, now)
                     self._save(state)
                 out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
+            db.execute(
+                "INSERT OR REPLACE INTO swept_reservations SELECT owner, id, run_id, usd, "
+                "input_tokens, output_tokens, ? FROM reservations WHERE owner = ?",
+                (now, owner),
+            )
             db.execute("DELETE FROM reservations WHERE owner = ?", (owner,))
             for run_id, key, tool in db.execute(
                 "UPDATE tool_calls SET state = 'unknown', updated_at = ?, "
@@ -373,7 +454,31 @@ class SQLiteLedger(Ledger):
             return out
 
     async def ping(self) -> None:
-        self._db.execute("SELECT 1").fetchone()
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO probe (owner, at) VALUES (?, ?)", (self.owner, time.time()))
+        st = os.statvfs(self.path.parent)
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE_BYTES:
+            raise OSError(
+                errno.ENOSPC,
+                f"{free} bytes free on the disk of {self.path.parent} (runcap needs {MIN_FREE_BYTES})",
+            )
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
+
+    def failure_code(self, exc: BaseException) -> str | None:
+        if isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError:
+            text = str(exc).lower()
+            if "full" in text:  # "database or disk is full"
+                return "ledger_disk_full"
+            if "locked" in text or "busy" in text:
+                return "ledger_timeout"
+            if "unable to open" in text:
+                return "ledger_unreachable"
+            return "ledger_error"  # "disk I/O error", a damaged file...
+        return super().failure_code(exc)
 
     # -- tool calls -----------------------------------------------------------------------------
 
@@ -485,6 +590,9 @@ class SQLiteLedger(Ledger):
             return record
 
     async def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            with self._transaction() as db:
+                db.execute("DELETE FROM probe WHERE owner = ?", (self.owner,))
         self._db.close()
         lock_path = Path(self._owner_file.name)
         self._owner_file.close()
@@ -506,6 +614,12 @@ class SQLiteLedger(Ledger):
             )
         finally:
             db.close()
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    if db.in_transaction:
+        with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled it back itself
+            db.execute("ROLLBACK")
 
 
 def _try_lock(path: Path):  # type: ignore[no-untyped-def]

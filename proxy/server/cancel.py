@@ -58,13 +58,19 @@ class CancelPropagation:
                 log.info('{"event": "cancel_propagated", "run_id": "%s", "via": "pubsub"}', run_id)
 
     async def _poll(self, interval: float) -> None:
+        failing = False  # log an outage once, and its end, not every poll
         while True:
             await asyncio.sleep(interval)
             for run_id in self.flights.run_ids():
                 try:
                     state = await self.ledger.get_run(run_id)
                 except Exception as e:
-                    log.warning("cancel poll: %s", e)
+                    if not failing:
+                        log.warning("cancel poll: the ledger fails (%s); cancels made elsewhere wait", e)
+                    failing = True
                     break
+                if failing:
+                    log.info("cancel poll: the ledger answers again")
+                    failing = False
                 if state is not None and state.cancelled and self.flights.cancel_run(run_id):
                     log.info('{"event": "cancel_propagated", "run_id": "%s", "via": "poll"}', run_id)

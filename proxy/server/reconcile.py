@@ -60,11 +60,11 @@ class IdempotencyAdmin:
             limit = request.query.get("limit", "1000")
             if not limit.isdigit():
                 raise InvalidRequest("limit: a whole number", param="limit")
-        except Rejection as rej:
+            records = await self.ledger.list_tool_calls(
+                None if state == "all" else state, request.query.get("run_id") or None, int(limit)
+            )
+        except Rejection as rej:  # also LedgerUnavailable: a 503 the CLI can retry
             return rej.response("openai")
-        records = await self.ledger.list_tool_calls(
-            None if state == "all" else state, request.query.get("run_id") or None, int(limit)
-        )
         return _json([record_json(r) for r in records])
 
     async def resolve(self, request: web.Request) -> web.Response:

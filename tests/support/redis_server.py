@@ -1,11 +1,15 @@
 """A real redis-server (Debian's package) on a free 127.0.0.1 port with a temporary directory.
 
-Tests run it without persistence (`--save "" --appendonly no`); production should enable AOF.
+Tests run it without persistence (`--save "" --appendonly no`) unless they ask for it
+(`persistent=True`: AOF, `appendfsync everysec`, as production should run it). Fault tests stop it
+(`terminate`: SIGTERM, a clean shutdown), kill it (`kill9`), freeze it (`freeze`/`thaw`: SIGSTOP /
+SIGCONT) and `start` it again on the same port and directory, reloading what it persisted.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -22,7 +26,7 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    def __init__(self, *, persistent: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -32,15 +36,21 @@ class RedisServer:
         self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="runcap-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.persistent = persistent
+        self.frozen = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        """Start (or start again: same port, same directory, persisted data reloaded)."""
+        aof = ["--appendonly", "no"]
+        if self.persistent:
+            aof = ["--appendonly", "yes", "--appendfsync", "everysec"]
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
+             "--save", "", *aof, "--protected-mode", "yes", "--daemonize", "no",
              "--loglevel", "warning"],
             stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -58,6 +68,31 @@ class RedisServer:
             time.sleep(0.02)
         raise RuntimeError("redis-server did not start within 10 s")
 
+    def terminate(self) -> None:
+        """SIGTERM: Redis persists what it holds and exits; clients are cut."""
+        self.thaw()
+        stop_process(self.proc)
+
+    def kill9(self) -> None:
+        """SIGKILL: gone at once; only what reached the AOF survives."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections stay open (and new ones are accepted by the kernel), nothing answers."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        if self.frozen and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+        self.frozen = False
+
     def stop(self) -> None:
+        """Stop for good and delete the directory."""
+        self.thaw()
         stop_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
