@@ -1,10 +1,12 @@
 -- duplicate_side_effects: Why did this run call refund twice? Every (run, tool, arguments) seen
--- more than once: executed through runcap's /tools (kind 'tool') or only requested by the model
--- (kind 'tool_call', for agents that run their tools themselves), with the steps, the times,
--- and whether the later executions were idempotent replays or really ran again.
+-- more than once: executed through runcap — /tools or an MCP server's tools/call (kind 'tool';
+-- an MCP call's tool_name is the MCP tool, its args_hash that of params.arguments) — or only
+-- requested by the model (kind 'tool_call', for agents that run their tools themselves), with
+-- the steps, the times, and whether the later executions were idempotent replays or really ran
+-- again.
 --
 -- One logical call can show up twice: the model requested it (tool_call span) and the agent then
--- executed it through /tools (tool span). Each kind is counted on its own row (`seen_as`), never
+-- executed it through /tools or MCP (tool span). Each kind is counted on its own row (`seen_as`), never
 -- added together; `requested_times` and `executed_times` show both counts of the same
 -- (run, tool, args_hash) on every row, also when the other kind was seen only once. (A tool
 -- called through /tools under another name than the model's function shows up as two keys.)
@@ -12,7 +14,7 @@
 -- Reading it:
 --   seen_as = 'requested'          the model asked for it `times` times; what the agent did about
 --                                  it is up to the agent (check executed_times and the tool).
---   seen_as = 'executed'           calls through /tools; `outcomes` in time order. `replays` = the
+--   seen_as = 'executed'           calls through /tools or MCP; `outcomes` in time order. `replays` = the
 --                                  repeats runcap answered from the idempotency record without
 --                                  calling the tool; later_all_replayed = true means the side
 --                                  effect happened once. `idempotency_keys` > 1 means the repeats

@@ -1,8 +1,11 @@
 -- slow_tools: Which tools are slow or failing? Per tool: call count, latency percentiles, errors
--- and timeouts — for tools executed through runcap's /tools, and for tools the agent runs itself.
+-- and timeouts — for tools executed through runcap (/tools, and MCP servers' tools/call), and for
+-- tools the agent runs itself.
 --
--- source = 'executed'   /tools calls: duration_ms of the call as runcap made it. Replays (answered
---                       from the idempotency record) and refused calls (402/409/410) are left out.
+-- source = 'executed'   /tools and MCP tools/call calls: duration_ms of the call as runcap made it.
+--                       Replays (answered from the idempotency record) and refused calls
+--                       (402/409/410; an MCP refusal's span carries the status /tools would have
+--                       answered) are left out.
 -- source = 'requested'  tools the model requested and the agent ran on its own: the time from the
 --                       model's response (tool_call span) to the request that carried the result
 --                       back (tool_result span, matched by tool_call_id). This includes the agent's

@@ -16,6 +16,9 @@ sha256(canonical_json({"run", "tool", "args", "op"}))[:32] with `args` the JSON 
 to the tool's `key_fields`) and `op` the `X-Run-Operation-Id`. For any call other than a POST to
 the tool's root without a query, the "tool" field is "METHOD name/sub-path?query", so
 `DELETE /tools/crm/orders/1` and `.../orders/2` are different operations.
+
+The call's record, its side of the ledger (waiting out a duplicate, `unknown`) and its span are
+shared with MCP `tools/call` (server/toolcalls.py, proxy/mcp/).
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ import asyncio
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
@@ -53,9 +54,8 @@ from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
-from proxy.server.trace import run_snapshot
+from proxy.server.toolcalls import ToolCall, ToolCallLedger, record_tool_call, remaining_time
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
-from proxy.spans.model import Span
 from proxy.spans.recorder import NullRecorder, SpanRecorder
 
 log = logging.getLogger("runcap.tools")
@@ -63,29 +63,6 @@ log = logging.getLogger("runcap.tools")
 SIDE_EFFECT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # Response headers worth replaying with a recorded outcome.
 RECORDED_HEADERS = ("content-type",)
-_OUTCOME = {DeadlineExceeded: "deadline_exceeded", RunCancelled: "cancelled", ToolTimeout: "timeout"}
-
-
-@dataclass(slots=True, eq=False)
-class ToolCall:
-    """One `/tools` request, for the span and for `Flights` (a cancel sets `cut_reason`)."""
-
-    tool: str
-    known: bool = True  # a configured tool (metric labels name only those)
-    path: str = ""  # decoded sub-path after /tools/{name}, with the query
-    started: float = field(default_factory=time.perf_counter)
-    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    run: RunRequest | None = None
-    state: RunState | None = None
-    key: str | None = None
-    args_hash: str = ""
-    result_hash: str = ""
-    request_hash: str = ""
-    response_hash: str = ""
-    status: int = 0
-    outcome: str = "ok"
-    error: str = ""
-    cut_reason: str | None = None
 
 
 class ToolResponseTooLarge(Exception):
@@ -162,8 +139,7 @@ class ToolGateway:
         self.metrics = metrics
         self.recorder: SpanRecorder = recorder or NullRecorder()
         self.session: aiohttp.ClientSession | None = None
-        # Calls this process executes, by (run, key): duplicates here wake up at once.
-        self._executing: dict[tuple[str, str], asyncio.Event] = {}
+        self.calls = ToolCallLedger(ledger, metrics)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_route("*", "/tools/{name}", self.handle)
@@ -224,6 +200,9 @@ class ToolGateway:
         tail = "/".join(unquote(seg) for seg in segments)
         headers = self._tool_headers(request, tool, run)
         call.args_hash = args_hash(body)
+        query = canonical_query(query)
+        call.path = tail + (f"?{query}" if query else "")
+        op_hash = ""
         if has_side_effects(tool, request.method):
             if run.generated:
                 # A generated run id is new every time: no repeat could ever be recognised.
@@ -232,12 +211,8 @@ class ToolGateway:
                     "idempotency key is namespaced by the run, so without one a retry would execute again",
                     param="X-Run-Id",
                 )
-        query = canonical_query(query)
-        call.path = tail + (f"?{query}" if query else "")
-        # The operation's identity (what the derived key hashes), also under a caller's own key:
-        # the ledger refuses a key reused for another operation (422), never replays it.
-        op_hash = ""
-        if has_side_effects(tool, request.method):
+            # The operation's identity (what the derived key hashes), also under a caller's own
+            # key: the ledger refuses a key reused for another operation (422), never replays it.
             op_hash = derive_key(run.run_id, tool, request.method, tail, query, body, run.operation_id)
             call.key = run.idempotency_key or op_hash
         req = ToolCallRequest(
@@ -249,7 +224,7 @@ class ToolGateway:
         assert task is not None
         self.flights.add(run.run_id, task, call)  # a cancel also ends a wait for a duplicate
         try:
-            start = await self._begin(req, call)
+            start = await self.calls.begin(req)
             call.state = start.state
             if start.action == "replay":
                 assert start.record is not None
@@ -273,29 +248,6 @@ class ToolGateway:
             ) from None
         finally:
             self.flights.remove(run.run_id, task)
-
-    async def _begin(self, req: ToolCallRequest, call: ToolCall):  # type: ignore[no-untyped-def]
-        """Ask the ledger; while a duplicate is in flight (here or on another replica), wait for
-        it — bounded by the run's deadline (the ledger refuses once it has passed)."""
-        delay = 0.005
-        while True:
-            start = await self._timed("tool_begin", self.ledger.begin_tool_call(req))
-            if start.action != "wait":
-                return start
-            deadline = start.state.caps.deadline
-            left = None if deadline is None else max(0.0, deadline - time.time()) + 0.001
-            pause = delay if left is None else min(delay, left)
-            event = self._executing.get((req.run_id, req.key or ""))
-            if event is not None:
-                # Executing here: woken the moment it ends (the ledger is asked again after).
-                try:
-                    await asyncio.wait_for(event.wait(), timeout=0.5 if left is None else min(0.5, left))
-                except TimeoutError:
-                    pass
-            else:
-                await asyncio.sleep(pause)
-                delay = min(delay * 2, 0.1)
-            req = replace(req, now=time.time())
 
     def _replay(self, call: ToolCall, record: IdempotencyRecord, state: RunState) -> web.Response:
         call.status = record.status or 200
@@ -332,10 +284,7 @@ class ToolGateway:
         now = time.time()
         deadline = state.caps.deadline
         remaining = None if deadline is None else max(0.0, deadline - now)
-        timeout = remaining
-        if tool.timeout_s is not None and (timeout is None or tool.timeout_s < timeout):
-            timeout = tool.timeout_s
-        by_deadline = remaining is not None and timeout == remaining
+        timeout, by_deadline = remaining_time(state, tool.timeout_s, now)
 
         if call.key is not None:
             headers["Idempotency-Key"] = call.key
@@ -345,11 +294,8 @@ class ToolGateway:
 
         recorder = self.recorder
         if body:
-            call.request_hash = recorder.payload(body)
-        slot = (run.run_id, call.key or "")
-        event = asyncio.Event()
-        if call.key is not None:
-            self._executing[slot] = event
+            call.keep_body(recorder, body, response=False)
+        event = self.calls.executing(run.run_id, call.key)
         upstream: aiohttp.ClientResponse | None = None
         try:
             try:
@@ -400,9 +346,7 @@ class ToolGateway:
             except aiohttp.ClientConnectorError as e:
                 # Never reached the tool: nothing happened, the next attempt may execute.
                 if call.key is not None:
-                    await self.ledger.resolve_tool_call(
-                        run.run_id, call.key, done=False, now=time.time(), force=True
-                    )
+                    await self.calls.release(run.run_id, call.key)
                 raise UpstreamUnavailable(
                     f"tool {tool.name!r} ({tool.display_url}) is unreachable: {e}"
                 ) from None
@@ -415,9 +359,7 @@ class ToolGateway:
         finally:
             if upstream is not None:
                 release_or_drop(upstream)
-            if call.key is not None:
-                self._executing.pop(slot, None)
-            event.set()
+            self.calls.finished(run.run_id, call.key, event)
 
         # The tool has answered: from here on the call is not cut any more (a cancel now would
         # only lose the outcome), and recording the outcome must not be interrupted.
@@ -429,18 +371,14 @@ class ToolGateway:
         if status >= 400:
             call.outcome = "error"
             call.error = data[:500].decode("utf-8", "replace")
-        call.response_hash = recorder.payload(
-            data, is_error=status >= 400, content_type=answer_headers.get("content-type", "")
-        )
+        call.keep_body(
+            recorder, data, response=True, is_error=status >= 400,
+            content_type=answer_headers.get("content-type", ""),
+        )  # fmt: skip
         if call.key is not None:
             recorded = {h: answer_headers[h] for h in RECORDED_HEADERS if h in answer_headers}
             # The answer is the outcome, whatever its status: a repeat replays it.
-            await asyncio.shield(
-                self._timed(
-                    "tool_complete",
-                    self.ledger.complete_tool_call(run.run_id, call.key, status, recorded, data, time.time()),
-                )
-            )
+            await self.calls.complete(run.run_id, call.key, status, recorded, data)
             event.set()
         out = response_headers(answer_headers)
         out.update(tool_run_headers(state, time.time()))
@@ -449,68 +387,21 @@ class ToolGateway:
         return web.Response(status=status, body=data, headers=out)
 
     async def _unknown(self, call: ToolCall, reason: str) -> None:
-        if call.key is None or call.run is None:
-            return
-        call.outcome = "unknown"
-        self.metrics.tool_unknown.labels(call.tool).inc()
-        try:
-            await self.ledger.mark_unknown(call.run.run_id, call.key, time.time(), reason)
-        except Exception:
-            # The process's death (or the sweep) turns it unknown anyway.
-            log.exception("could not mark tool call %s of run %s unknown", call.key, call.run.run_id)
+        await self.calls.unknown(call, reason, call.tool)
 
     def _reject(self, call: ToolCall, rej: Rejection) -> web.Response:
-        call.status = rej.status
-        if call.outcome != "unknown":
-            call.outcome = next((o for cls, o in _OUTCOME.items() if isinstance(rej, cls)), "error")
-            if rej.type == "run_budget_exceeded":
-                call.outcome = "budget_exceeded"
-            elif rej.type == "idempotency_outcome_unknown":
-                call.outcome = "unknown"
-        call.error = rej.message
+        call.refused(rej)
         self.metrics.rejections.labels(rej.code or rej.type).inc()
         headers = {"X-Run-Id": call.run.run_id} if call.run else {}
         if call.key:
             headers["Idempotency-Key"] = call.key
         return rej.response("openai", headers)
 
-    async def _timed(self, op: str, call: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self.metrics.ledger_op(op, time.perf_counter() - t0)
-
     # -- span and metrics -----------------------------------------------------------------------
 
     def _record(self, request: web.Request, call: ToolCall) -> None:
-        self.metrics.tool_calls.labels(call.tool if call.known else "unknown", call.outcome).inc()
-        recorder = self.recorder
-        if call.run is None:
-            return
-        try:
-            recorder.span(
-                Span(
-                    run_id=call.run.run_id,
-                    kind="tool",
-                    step=call.state.steps if call.state is not None else 0,
-                    started_at=call.started_at,
-                    duration_ms=(time.perf_counter() - call.started) * 1000.0,
-                    task=call.run.task,
-                    endpoint=request.method,
-                    status_code=call.status,
-                    outcome=call.outcome,
-                    error=call.error,
-                    tool_name=call.tool,
-                    args_hash=call.args_hash,
-                    result_hash=call.result_hash,
-                    idempotency_key=call.key or "",
-                    request_hash=call.request_hash,
-                    response_hash=call.response_hash,
-                    attributes={"tool.path": call.path},
-                )
-            )
-            if call.state is not None:  # the run's executed tool calls changed
-                recorder.run(run_snapshot(call.state))
-        except Exception:
-            log.exception("could not record the span of a call to tool %s", call.tool)
+        call.attributes["tool.path"] = call.path
+        record_tool_call(
+            self.recorder, self.metrics, call, endpoint=request.method,
+            metric_label=call.tool if call.known else "unknown",
+        )  # fmt: skip
