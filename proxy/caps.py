@@ -145,6 +145,21 @@ def parse_run_headers(
             config.ceiling_timeout_s,
         ),
     )
+    per_task = config.tasks.get(task) if task else None
+    if per_task is not None:
+        # The task's caps replace the operator's defaults and bound what a header asks for.
+        caps = RunCaps(
+            max_usd_nanos=_task_cap(
+                usd, per_task.max_usd_nanos, config.ceiling_max_usd_nanos, caps.max_usd_nanos
+            ),
+            max_tokens=_task_cap(max_tokens, per_task.max_tokens, config.ceiling_max_tokens, caps.max_tokens),
+            max_steps=_task_cap(max_steps, per_task.max_steps, config.ceiling_max_steps, caps.max_steps),
+            max_tool_calls=_task_cap(
+                max_tool_calls, per_task.max_tool_calls, config.ceiling_max_tool_calls, caps.max_tool_calls
+            ),
+            deadline=deadline,
+            timeout_s=_task_cap(timeout_s, per_task.timeout_s, config.ceiling_timeout_s, caps.timeout_s),
+        )
 
     operation_id = headers.get("X-Run-Operation-Id")
     if operation_id is not None and not 1 <= len(operation_id) <= 256:
@@ -159,6 +174,13 @@ def parse_run_headers(
 
 def _apply(value, default, ceiling):  # type: ignore[no-untyped-def]
     return _min(value if value is not None else default, ceiling)
+
+
+def _task_cap(header, task_cap, ceiling, otherwise):  # type: ignore[no-untyped-def]
+    """A cap the task configures: the header may only lower it; else what [caps] gave."""
+    if task_cap is None:
+        return otherwise
+    return _min(_min(header, task_cap), ceiling)
 
 
 def _usd(raw: str | None) -> int | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -40,7 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run runcap and a scripted model offline and show what it enforces")
     p.add_argument("--data-dir", help="data directory (default: a fresh temporary one)")
 
-    p = sub.add_parser("mock-upstream", help="serve the scripted OpenAI/Anthropic upstream for offline tests")
+    p = sub.add_parser(
+        "mock-upstream",
+        help="serve the scripted OpenAI/Anthropic upstream for offline tests",
+        description="A scripted, offline OpenAI/Anthropic upstream (chat, responses, completions, "
+        "embeddings, messages; streaming and not) for testing agents without a provider. Example "
+        "script: examples/scripts/refund.toml.",
+        epilog=_module_doc("proxy.scripted_upstream"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--listen", default="127.0.0.1:9100", help="HOST:PORT (default 127.0.0.1:9100)")
     p.add_argument(
         "--script", help="JSON or TOML file of named scripts (chosen per request by X-Mock-Script)"
@@ -53,6 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", help="cancel a run: refuse its next calls and abort those in flight")
     _add_client_args(p)
     p.add_argument("run_id")
+
+    p = sub.add_parser(
+        "caps",
+        help="raise (or lower) a run's caps; `caps suggest`: per-task caps from the p99 of completed runs",
+        description="`runcap caps RUN_ID --max-usd 2.00 --max-steps 30`: an operator's top-up of a "
+        "run (POST /runs/{id}/caps); a run stopped by a cap that is raised continues with its next "
+        "call. `runcap caps suggest [--task T] [--since TIME]`: [tasks.\"NAME\"] tables for "
+        "runcap.toml from the p99 of completed runs, with the share of runs each would have stopped.",
+    )
+    _add_client_args(p)
+    p.add_argument("run_id", help="the run, or `suggest`")
+    p.add_argument("--max-usd", help="dollar cap (decimal; `none` removes the cap)")
+    for name in ("max-tokens", "max-steps", "max-tool-calls"):
+        p.add_argument(f"--{name}", help=f"{name.replace('-', ' ')} cap (whole number; `none` removes it)")
+    p.add_argument("--deadline", help="new deadline: RFC 3339 or Unix seconds (`none` removes it)")
+    p.add_argument("--extend", type=float, metavar="SECONDS", help="move the deadline this much later")
+    p.add_argument("--reason", help="why (recorded in the run's span with who and when)")
+    p.add_argument("--by", help="who (default: $USER)")
+    p.add_argument("--task", help="suggest: only this task")
+    p.add_argument("--since", help="suggest: runs updated since (default: 7 days ago)")
 
     p = sub.add_parser(
         "reconcile",
@@ -78,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_read_commands(sub)
     return parser
+
+
+def _module_doc(module: str) -> str:
+    """A module's docstring without importing it (the CLI stays quick to start)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
 
 
 def _add_read_commands(sub: Any) -> None:
@@ -121,6 +163,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `runcap runs | head`: the reader is gone; say nothing more (and not at exit either).
+        sys.stdout = open(os.devnull, "w")
+        return 0
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE or args.command not in ("serve", "mock-upstream"):
+            raise
+        where = getattr(args, "listen", None) or "the configured listen address"
+        print(
+            f"runcap {args.command}: {where} is already in use (another runcap?): stop it, or pick "
+            "another port with --listen HOST:PORT",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -151,38 +207,119 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, data_dir=args.data_dir)
         return run_read_command(args, config)
-    if args.command in ("status", "cancel"):
+    if args.command == "caps" and args.run_id == "suggest":
+        return _caps_suggest(args)
+    if args.command in ("status", "cancel", "caps"):
         config = load_config(args.config, data_dir=args.data_dir)
         base = (args.url or f"http://{config.listen}").rstrip("/")
-        if args.command == "status":
-            return _print_http("GET", f"{base}/runs/{args.run_id}", None, args.json)
         token = cli_admin_token(config.admin_token, config.data_dir)
-        return _print_http("POST", f"{base}/runs/{args.run_id}/cancel", token, args.json)
+        if args.command == "status":
+            return _print_http("GET", f"{base}/runs/{args.run_id}", token, args.json)
+        if args.command == "cancel":
+            code, answer = _call_and_print("POST", f"{base}/runs/{args.run_id}/cancel", token, args.json)
+            return code if code or answer.get("known", True) else _unknown_run(args.run_id)
+        body = _caps_body(args)
+        if body is None:
+            print("runcap caps: name a cap to change (--max-usd, --max-steps, ...)", file=sys.stderr)
+            return 2
+        return _print_http("POST", f"{base}/runs/{args.run_id}/caps", token, args.json, body)
     raise AssertionError(args.command)
 
 
-def _print_http(method: str, url: str, token: str | None, as_json: bool) -> int:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def _caps_body(args: argparse.Namespace) -> dict[str, Any] | None:
+    body: dict[str, Any] = {}
+
+    def value(raw: str, whole: bool) -> Any:
+        if raw.lower() == "none":
+            return None
+        if not whole:
+            return raw
+        try:
+            return int(raw)
+        except ValueError:
+            raise SystemExit(f"runcap caps: {raw!r} is not a whole number") from None
+
+    if args.max_usd is not None:
+        body["max_usd"] = value(args.max_usd, False)
+    for field in ("max_tokens", "max_steps", "max_tool_calls"):
+        raw = getattr(args, field)
+        if raw is not None:
+            body[field] = value(raw, True)
+    if args.deadline is not None:
+        deadline = value(args.deadline, False)
+        numeric = deadline is not None and deadline.replace(".", "", 1).isdigit()
+        body["deadline"] = float(deadline) if numeric else deadline
+    if args.extend is not None:
+        body["extend_s"] = args.extend
+    if not body:
+        return None
+    body["by"] = args.by or os.environ.get("USER") or "operator"
+    if args.reason:
+        body["reason"] = args.reason
+    return body
+
+
+def _caps_suggest(args: argparse.Namespace) -> int:
+    from proxy.capsuggest import caps_suggest
+    from proxy.readcli import ReadError, open_reader
+
+    config = load_config(args.config, data_dir=args.data_dir)
+    try:
+        reader = open_reader(config, args.url, args.data_dir is not None)
+        try:
+            print(caps_suggest(args, reader), end="")
+        finally:
+            reader.close()
+    except ReadError as e:
+        print(f"runcap caps suggest: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_http(
+    method: str, url: str, token: str | None, as_json: bool, body: dict[str, Any] | None = None
+) -> int:
+    code, _ = _call_and_print(method, url, token, as_json, body)
+    return code
+
+
+def _call_and_print(
+    method: str, url: str, token: str | None, as_json: bool, body: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any]]:
+    """One admin call: print the answer (a table, or JSON); (exit code, answer)."""
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    req = urllib.request.Request(url, method=method, data=data)
+    if body is not None:
+        req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             data = json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        body = e.read().decode("utf-8", "replace")
-        print(f"runcap: {method} {url}: HTTP {e.code}: {body}", file=sys.stderr)
-        return 1
+        text = e.read().decode("utf-8", "replace")
+        print(f"runcap: {method} {url}: HTTP {e.code}: {text}", file=sys.stderr)
+        return 1, {}
     except urllib.error.URLError as e:
         print(
             f"runcap: cannot reach runcap at {url}: {e.reason} (is `runcap serve` running? use --url)",
             file=sys.stderr,
         )
-        return 1
+        return 1, {}
     if as_json:
         print(json.dumps([data], indent=2))
     else:
         _print_mapping(data)
-    return 0
+    return 0, data
+
+
+def _unknown_run(run_id: str) -> int:
+    print(
+        f"runcap cancel: run {run_id!r} was not known to this runcap (a typo?); it is marked "
+        "cancelled anyway, so a first request under that id will be refused",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _print_mapping(data: dict, indent: str = "") -> None:  # type: ignore[type-arg]
@@ -192,7 +329,18 @@ def _print_mapping(data: dict, indent: str = "") -> None:  # type: ignore[type-a
             print(f"{indent}{key}:")
             _print_mapping(value, indent + "  ")
         else:
-            print(f"{indent}{key:<{width}}  {'-' if value is None else value}")
+            print(f"{indent}{key:<{width}}  {_human(value)}")
+
+
+def _human(value: Any) -> str:
+    """A value as a person reads it: money (the API's 9-decimal strings) as $0.00125."""
+    if value is None:
+        return "-"
+    money = isinstance(value, str) and len(value) > 10 and value[-10] == "."
+    if money and value.replace(".", "", 1).isdigit():
+        whole, frac = value.split(".")
+        return f"${whole}.{frac.rstrip('0').ljust(2, '0')}"
+    return str(value)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ agent authors can use it (`runcap mock-upstream`) to test agents without a provi
 Step selection is stateless so that concurrent conversations never interfere: the step played is
 the number of assistant turns already present in the request's history (chat / Anthropic:
 assistant messages; Responses: runs of consecutive `function_call` / assistant `message` /
-`reasoning` items, plus the turns behind a `previous_response_id` this server issued). Past the end
-of a script, its last step repeats. Legacy completions and embeddings have no history: they always
+`reasoning` items of the whole conversation, stored items included). Past the end of a script, its
+last step repeats. Legacy completions and embeddings have no history: they always
 play the script's first step.
 
 Like the real chat API, chat requests with `tools: []`, or with `tool_choice` /
@@ -53,6 +53,14 @@ Steps (dicts in scripts, validated into `Step`):
                               answers nor a usage chunk in their streams, `usage: null` in Responses
     input_tokens: int         report this many input tokens instead of the computed count
     cache_read_tokens, cache_write_tokens, reasoning_tokens: int
+
+Stored Responses, as the provider keeps them: a response not created with `store: false` keeps
+its conversation (what it continued, its input, its output) under its id and each output item
+under the item's id. `previous_response_id` continues that conversation and an `item_reference`
+input item stands for the stored item; either is answered — and billed — as if the stored items
+had been sent (instructions and tools are the request's own, as on the real API). Refused like the
+real API (400): an unknown response or item, a `function_call_output` without its
+`function_call`, a `function_call` without its output.
 
 Anthropic message threads (beta `message-threads-2026-08-12`, the `anthropic` SDK's tool runner):
 a request with `thread: {"type": "create"}` has its conversation (system, tools, messages and the
@@ -677,8 +685,11 @@ class ScriptedUpstream:
         self._runner: web.AppRunner | None = None
         self._id_prefix = secrets.token_hex(6)
         self._seq = itertools.count(1)
-        # Turns behind each Responses id this server issued, for `previous_response_id`.
-        self._response_turns: dict[str, int] = {}
+        # Stored Responses (`store` not false): the conversation behind each response id — its
+        # input with what it continued, then its output — for `previous_response_id`; and each
+        # stored output item by id, for `item_reference` input items.
+        self._stored_responses: dict[str, list[Any]] = {}
+        self._stored_items: dict[str, dict[str, Any]] = {}
         # Anthropic threads by the id of their latest answer, for `thread: continue`.
         self._threads: dict[str, _Thread] = {}
 
@@ -1186,16 +1197,11 @@ class ScriptedUpstream:
         if not isinstance(body.get("model"), str):
             raise _BadRequest("Missing required parameter: 'model'.", "model", "missing_required_parameter")
         limit = _limit(body, "max_output_tokens")
-        turns = _responses_turns(items)
-        previous = body.get("previous_response_id")
-        if previous is not None:
-            if previous not in self._response_turns:
-                raise _BadRequest(
-                    f"Previous response with id '{previous}' not found.",
-                    "previous_response_id",
-                    "previous_response_not_found",
-                )
-            turns += self._response_turns[previous]
+        # Answered — and billed — as if the stored conversation and the referenced items had been
+        # sent: the input the model reads is the whole conversation.
+        conversation = self._responses_conversation(body)
+        body = {**body, "input": conversation}
+        turns = _responses_turns(conversation)
         step = self._pick_step(rec, turns)
         rec.stream = bool(body.get("stream"))
         await _pause(step, rec.stream)
@@ -1205,9 +1211,6 @@ class ScriptedUpstream:
         tools_allowed = bool(tools) and body.get("tool_choice") != "none"
         ans = self._answer(rec, step, responses_input_tokens(body), limit, tools_allowed, "call_")
         rid = self._new_id("resp_")
-        self._response_turns[rid] = turns + 1
-        if len(self._response_turns) > _MAX_REMEMBERED_RESPONSES:
-            del self._response_turns[next(iter(self._response_turns))]  # the oldest
         headers = self._openai_headers(step)
 
         output: list[dict[str, Any]] = []
@@ -1236,6 +1239,8 @@ class ScriptedUpstream:
                     "name": c.name,
                 }
             )
+        if body.get("store", True) is not False:
+            self._store_response(rid, conversation, output)
         now = int(time.time())
         final = {
             "id": rid,
@@ -1364,6 +1369,56 @@ class ScriptedUpstream:
             "param": None,
         }
         return await self._stream(request, rec, step, events, stall_at, headers, _sse_event(b"error", error))
+
+    def _responses_conversation(self, body: dict[str, Any]) -> list[Any]:
+        """The input items the model reads: the stored conversation `previous_response_id` names,
+        then the request's input with each `item_reference` replaced by the stored item. Refused
+        like the real API: an unknown response or item, a tool output without its call, a call
+        without its output."""
+        items = body["input"]
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        conversation: list[Any] = []
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            stored = self._stored_responses.get(previous) if isinstance(previous, str) else None
+            if stored is None:
+                raise _BadRequest(
+                    f"Previous response with id '{previous}' not found.",
+                    "previous_response_id",
+                    "previous_response_not_found",
+                )
+            conversation.extend(stored)
+        for item in items:
+            if isinstance(item, dict) and item.get("type") == "item_reference":
+                ref = item.get("id")
+                stored_item = self._stored_items.get(ref) if isinstance(ref, str) else None
+                if stored_item is None:
+                    raise _BadRequest(f"Item with id '{ref}' not found.", "input", "item_not_found")
+                item = stored_item
+            conversation.append(item)
+        kinds = [(i.get("type"), i.get("call_id")) for i in conversation if isinstance(i, dict)]
+        calls = [call_id for kind, call_id in kinds if kind == "function_call"]
+        outputs = [call_id for kind, call_id in kinds if kind == "function_call_output"]
+        orphans = [call_id for call_id in outputs if call_id not in calls]
+        if orphans:
+            raise _BadRequest(
+                f"No tool call found for function call output with call_id {orphans[0]}.", "input"
+            )
+        unanswered = [call_id for call_id in calls if call_id not in outputs]
+        if unanswered:
+            raise _BadRequest(f"No tool output found for function call {unanswered[0]}.", "input")
+        return conversation
+
+    def _store_response(self, rid: str, conversation: list[Any], output: list[dict[str, Any]]) -> None:
+        """Keep a stored response's conversation and output items (bounded: the oldest go)."""
+        self._stored_responses[rid] = [*conversation, *output]
+        for item in output:
+            self._stored_items[item["id"]] = item
+        while len(self._stored_responses) > _MAX_REMEMBERED_RESPONSES:
+            del self._stored_responses[next(iter(self._stored_responses))]
+        while len(self._stored_items) > 4 * _MAX_REMEMBERED_RESPONSES:
+            del self._stored_items[next(iter(self._stored_items))]
 
     # ================================================================== Anthropic
 

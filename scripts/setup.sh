@@ -22,6 +22,27 @@ if [[ ",$extras," == *,test,* ]] && ! command -v redis-server >/dev/null 2>&1; t
     fi
 fi
 
+# The Vercel AI SDK test (tests/test_frameworks.py) runs node with the npm packages pinned in
+# tests/node (package-lock.json); without node it is skipped with a loud reason.
+if [[ ",$extras," == *,test,* ]]; then
+    if ! command -v npm >/dev/null 2>&1; then
+        if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+        else
+            echo "npm is missing: install nodejs and npm (apt-get install nodejs npm) to run the Vercel AI SDK test" >&2
+        fi
+    fi
+    node_stamp=tests/node/node_modules/.runcap-installed
+    node_want="$(cat tests/node/package.json tests/node/package-lock.json | sha256sum | cut -c1-16)"
+    if command -v npm >/dev/null 2>&1 && [ "$(cat "$node_stamp" 2>/dev/null)" != "$node_want" ]; then
+        if npm ci --prefix tests/node --no-audit --no-fund --loglevel=error >/dev/null; then
+            echo "$node_want" > "$node_stamp"
+        else
+            echo "npm ci in tests/node failed: the Vercel AI SDK test will be skipped" >&2
+        fi
+    fi
+fi
+
 stamp=.venv/.runcap-installed
 want="$(sha256sum pyproject.toml | cut -c1-16) $extras"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

@@ -592,6 +592,61 @@ async def test_responses_function_calls_and_history(
     assert info.value.body["code"] == "previous_response_not_found"
 
 
+async def test_responses_stored_conversation_and_item_references(
+    scripted: ScriptedUpstream, oai: openai.AsyncOpenAI
+) -> None:
+    """Stored responses as the provider keeps them: a `previous_response_id` continuation and an
+    `item_reference` (what the Vercel AI SDK sends for an earlier answer's text) are answered
+    and billed as if the stored items had been sent; tool outputs must pair with their calls."""
+    scripted.scripts["say-then-call"] = [
+        {"text": "Let me check.", "tool_calls": [{"name": "refund", "arguments": REFUND_ARGS}]},
+        {"text": "Refund issued."},
+    ]
+    h = script("say-then-call")
+    first = await oai.responses.create(
+        model="gpt-4.1", input="refund A-17", tools=RESPONSES_TOOLS, extra_headers=h
+    )
+    message, call = first.output
+    assert message.type == "message" and call.type == "function_call"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "ok"}
+    sent = [
+        {"role": "user", "content": "refund A-17"},
+        message.model_dump(exclude_none=True),
+        call.model_dump(exclude_none=True),
+        output,
+    ]
+    resent = await oai.responses.create(model="gpt-4.1", input=sent, tools=RESPONSES_TOOLS, extra_headers=h)
+    referenced = await oai.responses.create(
+        model="gpt-4.1", tools=RESPONSES_TOOLS, extra_headers=h,
+        input=[sent[0], {"type": "item_reference", "id": message.id}, sent[2], output],
+    )  # fmt: skip
+    chained = await oai.responses.create(
+        model="gpt-4.1", previous_response_id=first.id, input=[output], tools=RESPONSES_TOOLS, extra_headers=h
+    )
+    assert resent.output_text == referenced.output_text == chained.output_text == "Refund issued."
+    assert resent.usage.input_tokens == referenced.usage.input_tokens == chained.usage.input_tokens
+    assert chained.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+    async def refused(**kwargs: Any) -> str:
+        with pytest.raises(openai.BadRequestError) as info:
+            await oai.responses.create(model="gpt-4.1", tools=RESPONSES_TOOLS, extra_headers=h, **kwargs)
+        return str(info.value.body["message"])  # type: ignore[index]
+
+    assert "Item with id 'msg_unknown' not found" in await refused(
+        input=[sent[0], {"type": "item_reference", "id": "msg_unknown"}]
+    )
+    assert f"No tool output found for function call {call.call_id}" in await refused(input=sent[:3])
+    assert "No tool call found for function call output" in await refused(input=[sent[0], output])
+    assert f"No tool output found for function call {call.call_id}" in await refused(
+        previous_response_id=first.id, input="and now?"
+    )
+    # `store: false` keeps nothing to continue
+    unstored = await oai.responses.create(
+        model="gpt-4.1", input="hi", store=False, extra_headers=script("hello")
+    )
+    assert "not found" in await refused(previous_response_id=unstored.id, input="again")
+
+
 async def test_responses_stream_event_sequence(oai: openai.AsyncOpenAI) -> None:
     stream = await oai.responses.create(
         model="gpt-4.1", input="Hi", stream=True, extra_headers=script("long"), max_output_tokens=20
@@ -918,3 +973,23 @@ async def test_responses_tool_choice_none_answers_with_text(oai: openai.AsyncOpe
     )
     assert [item.type for item in resp.output] == ["message"]
     assert resp.output_text == FALLBACK_TEXT
+
+
+def test_example_script_and_help_document_the_format() -> None:
+    """The shipped example script loads, and `runcap mock-upstream --help` lists every step key."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from proxy.scripted_upstream import Step, load_scripts
+    from tests.conftest import REPO
+
+    scripts = load_scripts(str(REPO / "examples" / "scripts" / "refund.toml"))
+    assert {name: len(steps) for name, steps in scripts.items()} == {"refund": 3, "flaky": 2, "essayist": 1}
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "mock-upstream", "--help"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    for f in dataclasses.fields(Step):
+        if not f.name.startswith("_"):
+            assert f.name in out, f.name

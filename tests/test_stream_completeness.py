@@ -342,6 +342,27 @@ async def test_final_step_with_a_stored_responses_context_forbids_tools(runcap, 
     assert upstream.last.body["tool_choice"] == "none"  # the stored context's tools are not live
 
 
+async def test_referenced_output_items_are_reserved(runcap, upstream):  # type: ignore[no-untyped-def]
+    """The Vercel AI SDK sends an earlier answer's text back as an `item_reference`: the provider
+    bills the stored item as input though the body does not carry it, so runcap reserves it (at
+    the answer's output tokens, which it saw) — here the difference between fitting the token cap
+    and overshooting it."""
+    upstream.scripts["ref"] = [{"text_tokens": 2000}, {"text": "ok"}]
+    c = openai.AsyncOpenAI(base_url=runcap.openai_url, api_key="k", max_retries=0)
+    h = {"X-Run-Id": "item-ref", "X-Run-Max-Tokens": "3500", "X-Mock-Script": "ref"}
+    first = await c.responses.create(model="gpt-4.1", input="write", extra_headers=h)
+    assert first.usage is not None and first.usage.output_tokens == 2000
+    [message] = first.output
+    with pytest.raises(openai.APIStatusError) as e:
+        await c.responses.create(
+            model="gpt-4.1", extra_headers=h,
+            input=[{"role": "user", "content": "write"}, {"type": "item_reference", "id": message.id},
+                   {"role": "user", "content": "and shorten it"}],
+        )  # fmt: skip
+    assert e.value.status_code == 402 and e.value.body["code"] == "max_tokens"  # type: ignore[index]
+    assert upstream.hits() == 1
+
+
 async def test_scripted_upstream_holds_threads_like_the_provider(upstream):  # type: ignore[no-untyped-def]
     """What the threaded tests stand on: a `continue` is billed for the kept thread, and refused
     when it cannot be one."""

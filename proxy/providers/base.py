@@ -82,8 +82,10 @@ class RequestInfo:
     # The request extends input the provider stores: "response:{id}" for a previous response
     # (OpenAI responses `previous_response_id`), "message:{id}" for a previous message (an
     # Anthropic message thread continued), "server-side" for a conversation or stored prompt;
-    # "" for none. Its tokens are not in the body, so `input_token_bound` does not cover them, and
-    # tools it holds stay live even when the body has none.
+    # "" for none; plus "item:{id}" for each stored output item the input references (OpenAI
+    # responses `item_reference`, what the Vercel AI SDK sends back for an earlier answer's text),
+    # space-separated. Its tokens are not in the body, so `input_token_bound` does not cover them,
+    # and tools it holds stay live even when the body has none.
     stored_context: str = ""
 
 
@@ -95,6 +97,9 @@ class ResponseInfo:
     # The response ended without requesting tools (a final answer).
     finished: bool = False
     response_id: str = ""
+    # Ids of the answer's output items (OpenAI responses), which a later request may reference
+    # (`item_reference`) instead of sending them again.
+    output_item_ids: list[str] = field(default_factory=list)
     # `turn_key` of the answer (its text and tool calls), to recognise it when the agent sends it
     # back in the next request's history; None when it cannot be told (several choices...).
     turn: bytes | None = None

@@ -66,6 +66,23 @@ def responses_usage(usage: Any) -> Usage | None:
 
 def _stored_context(body: dict[str, Any]) -> str:
     """Input the provider keeps on its side and bills with this call (`RequestInfo.stored_context`)."""
+    held = _held_context(body)
+    parts = [held] if held else []
+    items = body.get("input")
+    if isinstance(items, list):
+        parts.extend(
+            f"item:{item['id']}"
+            for item in items
+            if isinstance(item, dict)
+            and item.get("type") == "item_reference"
+            and isinstance(item.get("id"), str)
+        )
+    return " ".join(parts)
+
+
+def _held_context(body: dict[str, Any]) -> str:
+    """The stored context that may hold tools of its own: a previous response, a conversation,
+    a stored prompt (a referenced output item holds none)."""
     previous = body.get("previous_response_id")
     if isinstance(previous, str) and previous:
         return f"response:{previous}"
@@ -73,6 +90,12 @@ def _stored_context(body: dict[str, Any]) -> str:
     if body.get("conversation") or (isinstance(prompt, dict) and prompt.get("id")):
         return "server-side"
     return ""
+
+
+def _item_ids(output: Any) -> list[str]:
+    if not isinstance(output, list):
+        return []
+    return [item["id"] for item in output if isinstance(item, dict) and isinstance(item.get("id"), str)]
 
 
 def _tool_call(item: dict[str, Any]) -> ToolCall | None:
@@ -138,6 +161,7 @@ class ResponsesStreamReader(SSEStreamReader):
         self._ended = False
         # output_index -> ToolCall being built (arguments accumulate from deltas)
         self._calls: dict[int, ToolCall] = {}
+        self._item_ids: dict[int, str] = {}  # output_index -> output item id
 
     def on_event(self, event: SSEEvent) -> bool:
         data = event.json()
@@ -152,6 +176,8 @@ class ResponsesStreamReader(SSEStreamReader):
             item = data.get("item")
             if isinstance(item, dict) and (call := _tool_call(item)) is not None:
                 self._calls[data.get("output_index", len(self._calls))] = call
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                self._item_ids[data.get("output_index", len(self._item_ids))] = item["id"]
         elif kind in ("response.created", "response.in_progress", "response.queued"):
             self._read_response(data.get("response"))
         elif kind in _TERMINAL_EVENTS:
@@ -161,6 +187,7 @@ class ResponsesStreamReader(SSEStreamReader):
                 self._usage = responses_usage(response.get("usage")) or self._usage
                 if isinstance(response.get("output"), list):  # the authoritative final output
                     self._calls = dict(enumerate(_tool_calls(response["output"])))
+                    self._item_ids = dict(enumerate(_item_ids(response["output"])))
             self._ended = kind != "response.failed"
             self._closed = True
             if kind == "response.failed":
@@ -183,6 +210,7 @@ class ResponsesStreamReader(SSEStreamReader):
             tool_calls=calls,
             finished=self._ended and not calls,
             response_id=self._id,
+            output_item_ids=list(self._item_ids.values()),
             complete=self.complete,
             error=self.error,
         )
@@ -259,7 +287,7 @@ class ResponsesAdapter:
     def strip_tools(self, body: dict[str, Any]) -> None:
         for name in _TOOL_FIELDS:
             body.pop(name, None)
-        if _stored_context(body):
+        if _held_context(body):
             # Stored context (a stored prompt's tools, a conversation) may bring tools of its own.
             body["tool_choice"] = "none"
 
@@ -275,6 +303,7 @@ class ResponsesAdapter:
             tool_calls=calls,
             finished=status in _ENDED and not calls,
             response_id=text_of(body, "id"),
+            output_item_ids=_item_ids(body.get("output")),
         )
 
     def stream_reader(self, strip_injected_usage: bool) -> ResponsesStreamReader:

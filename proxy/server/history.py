@@ -60,13 +60,25 @@ class ConversationMemory:
         # continuing it re-reads (its input and output, with the margins of an answer read
         # back), for `previous_response_id` and a continued Anthropic thread.
         self._responses: OrderedDict[str, int] = OrderedDict()
+        # Output items of those answers (OpenAI responses) by id → the tokens one of them reads
+        # back as at most (its answer's output), for `item_reference` input items.
+        self._items: OrderedDict[str, int] = OrderedDict()
 
     def stored_tokens(self, stored_context: str) -> int | None:
-        """Tokens of provider-stored input a request extends, when this process knows them."""
-        kind, _, answer_id = stored_context.partition(":")
-        if kind in ("response", "message"):
-            return self._responses.get(answer_id)
-        return None
+        """Tokens of provider-stored input a request extends, when this process knows them all."""
+        total = 0
+        for part in stored_context.split():
+            kind, _, answer_id = part.partition(":")
+            if kind in ("response", "message"):
+                tokens = self._responses.get(answer_id)
+            elif kind == "item":
+                tokens = self._items.get(answer_id)
+            else:
+                tokens = None
+            if tokens is None:
+                return None
+            total += tokens
+        return total
 
     def bound(self, run_id: str, adapter: Adapter, info: RequestInfo) -> int:
         last = self._runs.get(run_id)
@@ -102,6 +114,12 @@ class ConversationMemory:
             self._responses.move_to_end(response.response_id)
             if len(self._responses) > self.limit:
                 self._responses.popitem(last=False)
+        answer = usage.output_tokens + ANSWER_MARGIN + TOOL_CALL_MARGIN * len(response.tool_calls)
+        for item_id in response.output_item_ids:
+            self._items[item_id] = answer
+            self._items.move_to_end(item_id)
+            if len(self._items) > self.limit:
+                self._items.popitem(last=False)
         if not info.context or not info.history:
             return
         digests = [_digest(item) for item in info.history]

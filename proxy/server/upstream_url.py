@@ -6,8 +6,10 @@ percent-encoded exactly as the agent sent it, and the adapter (what gets metered
 the decoded form of that same path. Anything an upstream could read differently from runcap is
 refused before it leaves:
 
-* a dot segment, plain or encoded (`..`, `%2e%2E`, `..;x`), anywhere: it would leave the base
-  path, or make the metered path and the path the upstream serves differ;
+* a dot segment, plain or encoded (`..`, `%2e%2E`), anywhere: it would leave the base path, or
+  make the metered path and the path the upstream serves differ;
+* a `;` (plain or encoded): servers that read path parameters (`completions;x`, `..;/`) would
+  serve another path than the one runcap metered;
 * an encoded `/`, `?`, `#`, `\\` or `%` (double encoding) inside a segment, a raw `#`, control
   characters, and any byte outside RFC 3986's path characters (raw unicode, spaces, `\\`);
 * an empty segment (`//`) except a trailing slash: servers that merge slashes would serve
@@ -32,7 +34,9 @@ from proxy.errors import InvalidRequest
 _SEGMENT = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})*")
 # A query may also hold "/" and "?"; still printable ASCII only.
 _QUERY = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*")
-_FORBIDDEN_DECODED = re.compile(r"[/?#\\%\x00-\x1f\x7f]")
+# The common case, checked in one pass: plain path characters, no '%', ';' or '.'-led segment.
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,=:@/]*")
+_FORBIDDEN_DECODED = re.compile(r"[/?#\\%;\x00-\x1f\x7f]")
 
 
 class UnsafePath(InvalidRequest):
@@ -68,19 +72,21 @@ class Base:
     def parse(cls, url: str) -> Base:
         parts = urlsplit(url)
         raw = parts.path.rstrip("/")
-        decoded = "/".join(_decode(seg) for seg in raw.split("/")) if raw else ""
+        decoded = "/".join(decode_segment(seg) for seg in raw.split("/")) if raw else ""
         return cls(f"{parts.scheme}://{parts.netloc}", raw, decoded)
 
     def target(self, segments: list[str], query: str) -> UpstreamTarget:
         """The base plus already checked raw `segments` (see `remaining_segments`)."""
         raw = "/".join(segments)
-        decoded = "/".join(_decode(seg) for seg in segments)
+        decoded = "/".join(decode_segment(seg) for seg in segments)
         sep = "/" if segments else ""
         url = f"{self.origin}{self.raw_path}{sep}{raw}" + (f"?{query}" if query else "")
         return UpstreamTarget(URL(url, encoded=True), f"{self.path}{sep}{decoded}" or "/", query)
 
 
-def _decode(segment: str) -> str:
+def decode_segment(segment: str) -> str:
+    if "%" not in segment:
+        return segment
     return unquote_to_bytes(segment).decode("utf-8", "replace")
 
 
@@ -98,9 +104,10 @@ def remaining_segments(raw_target: str, consumed: int) -> tuple[list[str], str]:
             "query string: only RFC 3986 query characters are forwarded (percent-encode the rest)"
         )
     segments = path[1:].split("/")
-    last = len(segments) - 1
-    for i, seg in enumerate(segments):
-        _check_segment(seg, i == last)
+    if not (_PLAIN_PATH.fullmatch(path) and "//" not in path and "/." not in path):
+        last = len(segments) - 1
+        for i, seg in enumerate(segments):
+            _check_segment(seg, i == last)
     return segments[consumed:], query
 
 
@@ -122,13 +129,19 @@ def _check_segment(seg: str, last: bool) -> None:
             raise UnsafePath(f"request path: segment {seg[:60]!r} is not UTF-8 once decoded") from None
         if _FORBIDDEN_DECODED.search(decoded):
             raise UnsafePath(
-                f"request path: segment {seg[:60]!r} encodes '/', '?', '#', '\\\\', '%' or a control "
+                f"request path: segment {seg[:60]!r} encodes '/', '?', '#', '\\\\', '%', ';' or a control "
                 "character; runcap does not forward paths an upstream could split differently"
             )
     else:
         decoded = seg
-    if decoded.partition(";")[0] in (".", ".."):
+    if ";" in decoded:
+        raise UnsafePath(
+            f"request path: segment {seg[:60]!r} has a ';' — servers that read path parameters "
+            "would serve another path than the one runcap checked"
+        )
+    if decoded in (".", ".."):
         raise UnsafePath(
             f"request path: dot segment {seg[:60]!r} (plain or encoded) — paths cannot leave "
             "the configured base path"
         )
+

@@ -1,0 +1,96 @@
+"""`runcap caps suggest`: per-task caps from the p99 of completed runs, printed as `[tasks."NAME"]`
+TOML ready to paste into runcap.toml — the measurement loop of the `cap_recommendations` query,
+closed. Each suggestion is the p99 with headroom (10 %, rounded up), and says which share of the
+task's runs in the window would have exceeded it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from decimal import ROUND_UP, Decimal
+from typing import Any
+
+from proxy.queryfiles import bind, load_query
+from proxy.readcli import Reader
+
+# metric of cap_recommendations → (TOML key, the runs column it measures)
+_KEYS = {
+    "steps": ("max_steps", "steps"),
+    "tool_calls": ("max_tool_calls", "tool_calls"),
+    "tokens": ("max_tokens", "input_tokens + output_tokens"),
+    "usd": ("max_usd", "toFloat64(cost_usd)"),
+    "wall_clock_s": ("timeout_s", "dateDiff('microsecond', started_at, updated_at) / 1e6"),
+}
+HEADROOM = 1.1
+
+
+def suggested(metric: str, p99: float) -> float | int:
+    """The p99 with headroom, rounded up to a value an operator would write."""
+    value = p99 * HEADROOM
+    if metric in ("steps", "tool_calls"):
+        return max(math.ceil(value), math.floor(p99) + 1)
+    if metric == "tokens":
+        return math.ceil(value / 1000.0) * 1000
+    if metric == "usd":
+        return float(Decimal(str(value)).quantize(Decimal("0.01"), rounding=ROUND_UP))
+    return math.ceil(value)
+
+
+def caps_suggest(args: argparse.Namespace, reader: Reader) -> str:
+    query = load_query("cap_recommendations")
+    given = {"task": args.task or ""}
+    if args.since:
+        given["since"] = args.since
+    params = bind(query, given, reader)
+    columns, rows = reader.query(query.sql, params)
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        rec = dict(zip(columns, row, strict=True))
+        if rec["completed_runs"] and rec["p99"] is not None:
+            by_task.setdefault(rec["task"], []).append(rec)
+    since = params.get("since")
+    lines = [
+        "# runcap caps suggest: p99 of completed runs + 10 % headroom, per task"
+        + (f" (runs updated since {since})" if since else ""),
+        "# paste into runcap.toml; headers may lower these caps, [caps] ceilings clamp them",
+    ]
+    if not by_task:
+        lines.append("# no completed runs in the window: nothing to suggest yet")
+        return "\n".join(lines) + "\n"
+    for task, recs in sorted(by_task.items()):
+        if not task:
+            lines.append("\n# runs without X-Run-Task: send a task label to get per-task caps")
+            continue
+        caps = {rec["metric"]: suggested(rec["metric"], float(rec["p99"])) for rec in recs}
+        shares = _shares(reader, task, caps, params)
+        lines.append(f'\n[tasks."{task}"]')
+        for rec in recs:
+            metric = rec["metric"]
+            key, _ = _KEYS[metric]
+            value = caps[metric]
+            lines.append(
+                f"{key} = {value!r:<12} # p99 {_num(rec['p99'])} of {rec['completed_runs']} completed runs; "
+                f"{shares[metric]:.1%} of {rec['runs']} runs would have exceeded it"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _shares(reader: Reader, task: str, caps: dict[str, Any], params: dict[str, Any]) -> dict[str, float]:
+    """The share of the task's runs (latest state) whose usage went past each suggested cap."""
+    parts = [f"countIf({_KEYS[m][1]} > {{cap_{m}:Float64}}) / count() AS {m}" for m in caps]
+    sql = (
+        f"SELECT {', '.join(parts)} FROM (SELECT * FROM runcap.runs "
+        "WHERE updated_at >= {since:DateTime64(6, 'UTC')} AND task = {task:String} "
+        "ORDER BY run_id, updated_at DESC, steps DESC LIMIT 1 BY run_id)"
+    )
+    values = {"since": params["since"], "task": task, **{f"cap_{m}": float(v) for m, v in caps.items()}}
+    columns, rows = reader.query(sql, values)
+    if not rows:
+        return dict.fromkeys(caps, 0.0)
+    return {c: float(v or 0) for c, v in zip(columns, rows[0], strict=True)}
+
+
+def _num(value: Any) -> str:
+    f = float(value)
+    return str(int(f)) if f.is_integer() else f"{f:.4g}"
