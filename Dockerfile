@@ -31,7 +31,8 @@ sys.exit(f'runcap was installed without its SQL files in proxy/{missing}: see pa
     && python -c "import importlib.util, sys; sys.exit('chdb is installed' if importlib.util.find_spec('chdb') else 0)" \
     && rm -rf /src
 
-# A non-root user owning only its data directory (ledger fallback, span spool, local payloads).
+# A non-root user owning only its data directory (ledger fallback, span WAL, local payloads).
+# `runcap serve` runs the span shipper as a child process in the same container.
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/runcap --create-home --shell /usr/sbin/nologin runcap \
     && mkdir -p /var/lib/runcap/data && chown -R runcap:runcap /var/lib/runcap
 USER runcap

@@ -1,19 +1,32 @@
-"""Span pipeline benchmarks.
+"""Span path benchmarks: the proxy appends to its WAL, the shipper ships.
 
-1. Sustained ingestion into ClickHouse through the real pipeline (queue → batcher → sink), for
-   embedded chdb and for the ClickHouse HTTP path (clickhouse-connect against the chdb-backed
-   HTTP fixture in its own process): spans/s from the first submit until the sink reports every
-   record written.
-2. Proxy throughput with the full pipeline on (embedded chdb, payloads stored) versus tracing off,
-   measured back to back, closed loop at concurrency 64, plus added latency at 200 req/s.
+1. Shipper ingest: step records (a model span, a tool_call span and the run's snapshot, as a
+   traced model call writes them) appended to a WAL with `WalWriter` first — the append cost per
+   record is reported too — then one `Shipper` ships them to ClickHouse: embedded chdb, and a
+   ClickHouse over HTTP (clickhouse-connect → the chdb-backed HTTP fixture in its own process).
+   Spans/s from the shipper's start until every span is written.
+2. The proxy, tracing on (embedded chdb, both bodies of every call stored) versus tracing off,
+   measured side by side in one run: closed loop c=64, open loop at 200 and 500 req/s, the
+   upstream called directly at the same open-loop rates; every request is a run of its own, once
+   without run headers and once with caps (`X-Run-Max-Usd`, `X-Run-Max-Steps`). Per run: the
+   proxy process's CPU per request (utime + stime from /proc), and the shipper's, reported apart.
+   Each scenario runs `--rounds` on/off pairs (who goes first alternates) and reports medians: on
+   a shared two-core machine one pair can be off by ±20 %.
+   After the load: the RSS and threads of the proxy and of the shipper (embedded chdb), and the
+   shipper's RSS with a ClickHouse server (the HTTP fixture) instead.
 
-    .venv/bin/python -m bench.span_bench [--spans 200000] [--duration 10] [--skip-proxy]
+    .venv/bin/python -m bench.span_bench [--spans 200000] [--duration 10] [--rounds 3] [--skip-proxy]
+                                         [--skip-ingest] [--json out.json]
+
+Every run is bounded in time (each load `--duration` seconds; ingestion gives up after 300 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,75 +39,80 @@ from typing import Any
 from bench.loadgen import run_subprocess
 from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, free_port, start, stop_all, summarize
 from proxy.spans.clickhouse import open_span_store
+from proxy.spans.control import ShipperClient, ShipperUnavailable
 from proxy.spans.model import RunSnapshot, Span
-from proxy.spans.pipeline import SpanPipeline
+from proxy.spans.shipper import Shipper
+from proxy.spans.wal import WalWriter
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def synthetic(n: int) -> tuple[list[Span], list[RunSnapshot]]:
-    """Spans shaped like a real agent's: 20 steps per run, model spans with usage, tool calls."""
+def synthetic_steps(n_spans: int) -> list[tuple[list[Span], RunSnapshot]]:
+    """Steps shaped like an agent's: a model span with usage and a tool call, the run's state;
+    20 steps per run."""
     t0 = datetime.now(UTC)
-    spans, runs = [], []
-    for i in range(n):
+    steps = []
+    for i in range(n_spans // 2):
         run = f"bench-{i // 20}"
-        kind = "model" if i % 2 == 0 else "tool_call"
-        tool = kind != "model"
-        spans.append(
-            Span(
-                run_id=run, kind=kind, step=i % 20 + 1, started_at=t0 + timedelta(microseconds=i),
-                duration_ms=812.5, task="bench", provider="openai", model="gpt-4o-mini",
-                endpoint="chat.completions", status_code=200, input_tokens=1200 + i % 500,
-                output_tokens=80, cost_usd=Decimal("0.000228000"), tool_name="refund" if tool else "",
-                tool_call_id=f"call_{i}" if tool else "", args_hash="ab" * 32 if tool else "",
-                request_hash="cd" * 32, response_hash="ef" * 32,
-            )
+        common: dict[str, Any] = dict(
+            run_id=run, step=i % 20 + 1, task="bench", provider="openai", model="gpt-4o-mini",
+            endpoint="chat.completions", status_code=200,
         )  # fmt: skip
-        if i % 20 == 19:
-            runs.append(
-                RunSnapshot(
-                    run_id=run, task="bench", started_at=t0, updated_at=t0 + timedelta(seconds=1),
-                    status="completed", steps=20, tool_calls=10, input_tokens=30000, output_tokens=1600,
-                    cost_usd=Decimal("0.00456"), max_usd=Decimal("1"), max_tokens=None, max_steps=50,
-                    max_tool_calls=None, deadline=None,
-                )
-            )  # fmt: skip
-    return spans, runs
+        model = Span(
+            kind="model", started_at=t0 + timedelta(microseconds=i), duration_ms=812.5,
+            input_tokens=1200 + i % 500, output_tokens=80, cost_usd=Decimal("0.000228000"),
+            request_hash="cd" * 32, response_hash="ef" * 32, attributes={"upstream": "openai"}, **common,
+        )  # fmt: skip
+        call = Span(
+            kind="tool_call", started_at=t0 + timedelta(microseconds=i, milliseconds=812),
+            parent_span_id=model.span_id, tool_name="refund", tool_call_id=f"call_{i}", args_hash="ab" * 32,
+            **common,
+        )  # fmt: skip
+        state = RunSnapshot(
+            run_id=run, task="bench", started_at=t0, updated_at=t0 + timedelta(seconds=i % 20),
+            status="active", steps=i % 20 + 1, tool_calls=i % 20, input_tokens=30000, output_tokens=1600,
+            cost_usd=Decimal("0.00456"), max_usd=Decimal("1"), max_tokens=None, max_steps=50,
+            max_tool_calls=None, deadline=None,
+        )  # fmt: skip
+        steps.append(([model, call], state))
+    return steps
 
 
-def ingest(
-    store: Any, spans: list[Span], runs: list[RunSnapshot], spool: Path, batch_size: int
-) -> dict[str, Any]:
-    pipeline = SpanPipeline([store], None, spool, batch_size=batch_size, flush_interval_s=0.2)
-    pipeline.start()
-    total = len(spans) + len(runs)
+def ingest(store: Any, wal: Path, n_spans: int, batch_size: int) -> dict[str, Any]:
+    steps = synthetic_steps(n_spans)
+    writer = WalWriter(wal, segment_bytes=64 << 20, max_bytes=16 << 30)
     t0 = time.perf_counter()
-    for i, span in enumerate(spans):
-        pipeline.submit_span(span)
-        if i % 20 == 19:
-            pipeline.submit_run(runs[i // 20])
-    submitted = time.perf_counter() - t0
-    while pipeline.stats().sinks["clickhouse"].records_written < total:
+    for spans, state in steps:
+        writer.append_step(spans, [state])
+    append_s = time.perf_counter() - t0
+    writer.close()
+    total = 2 * len(steps)
+    shipper = Shipper(wal, sinks=[store], query_store=store, batch_size=batch_size, flush_interval_s=0.2)
+    t0 = time.perf_counter()
+    shipper.start()
+    lane = shipper.lanes[0]
+    while lane.spans_written < total:
         if time.perf_counter() - t0 > 300:
             raise RuntimeError("ingestion did not finish in 300 s")
         time.sleep(0.01)
     elapsed = time.perf_counter() - t0
     _, rows = store.query("SELECT count() FROM runcap.spans", None)
-    assert rows[0][0] >= len(spans), rows
-    pipeline.close()  # closes the store too
+    assert rows[0][0] >= total, rows
+    shipper.stop()  # closes the store too
     return {
-        "records": total,
-        "spans_per_s": round(len(spans) / elapsed),
-        "records_per_s": round(total / elapsed),
-        "submit_us_per_record": round(submitted / total * 1e6, 2),
+        "spans": total,
+        "spans_per_s": round(total / elapsed),
+        "records_per_s": round(len(steps) / elapsed),
+        "append_us_per_record": round(append_s / len(steps) * 1e6, 2),
         "seconds": round(elapsed, 2),
         "batch_size": batch_size,
     }
 
 
 def bench_ingestion(n: int, batch_size: int, tmp: Path) -> list[dict[str, Any]]:
-    spans, runs = synthetic(n)
     out = []
     store = open_span_store(None, tmp / "chdb")
-    out.append({"backend": "chdb (embedded)", **ingest(store, spans, runs, tmp / "spool-chdb", batch_size)})
+    out.append({"backend": "chdb (embedded)", **ingest(store, tmp / "wal-chdb", n, batch_size)})
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.support.clickhouse_http", str(tmp / "fixture"), str(port)],
@@ -104,20 +122,56 @@ def bench_ingestion(n: int, batch_size: int, tmp: Path) -> list[dict[str, Any]]:
         assert proc.stdout is not None
         url = proc.stdout.readline().decode().strip()
         store = open_span_store(url, tmp)
-        out.append(
-            {
-                "backend": "HTTP (clickhouse-connect)",
-                **ingest(store, spans, runs, tmp / "spool-http", batch_size),
-            }
-        )
+        out.append({"backend": "HTTP (clickhouse-connect)", **ingest(store, tmp / "wal-http", n, batch_size)})
     finally:
         proc.terminate()
         proc.wait(20)
     return out
 
 
-def bench_proxy(duration: float, tmp: Path) -> list[dict[str, Any]]:
-    rows = []
+# -- the proxy ---------------------------------------------------------------------------------------
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def memory(pid: int) -> dict[str, Any]:
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {"rss_mb": round(int(status["VmRSS"].split()[0]) / 1024, 1), "threads": int(status["Threads"])}
+
+
+def shipper_pid(data_dir: Path, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid = int((data_dir / "shipper.pid").read_text())
+            if Path(f"/proc/{pid}").exists():
+                return pid
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"no shipper in {data_dir}")
+
+
+def wait_shipped(data_dir: Path, timeout_s: float = 120) -> None:
+    """Until the shipper has nothing left to ship (asked on its socket)."""
+    client = ShipperClient(data_dir, timeout_s=5)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            sinks = client.request_sync({"op": "stats"})["stats"]["sinks"]
+            if all(s["unshipped_bytes"] == 0 for s in sinks.values()):
+                return
+        except ShipperUnavailable:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the shipper of {data_dir} did not catch up in {timeout_s} s")
+
+
+def bench_proxy(duration: float, tmp: Path, rounds: int = 3) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     up_port = free_port()
     procs = [
         start(
@@ -125,8 +179,10 @@ def bench_proxy(duration: float, tmp: Path) -> list[dict[str, Any]]:
             up_port, "upstream", tmp / "upstream.log",
         )
     ]  # fmt: skip
+    direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
     try:
-        ports = {}
+        ports: dict[bool, int] = {}
+        pids: dict[bool, int] = {}
         for tracing in (True, False):
             port = free_port()
             cfg = tmp / f"runcap-{tracing}.toml"
@@ -136,42 +192,133 @@ def bench_proxy(duration: float, tmp: Path) -> list[dict[str, Any]]:
             )
             serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
             serve += ["--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp / f"data-{tracing}")]
-            procs.append(start(serve, port, f"runcap tracing={tracing}", tmp / f"runcap-{tracing}.log"))
-            ports[tracing] = port
+            proc = start(serve, port, f"runcap tracing={tracing}", tmp / f"runcap-{tracing}.log")
+            procs.append(proc)
+            ports[tracing], pids[tracing] = port, proc.pid
+        shipper = shipper_pid(tmp / "data-True")
         for tracing in (True, False):  # warm up
             run_subprocess(f"http://127.0.0.1:{ports[tracing]}/v1/chat/completions", BODY, CAP_HEADERS,
                            concurrency=8, duration_s=1.0)  # fmt: skip
-        for name, kw in (("closed c=64", {"concurrency": 64}), ("open 200 req/s", {"rate": 200.0})):
-            res = {}
-            for tracing in (True, False):
-                url = f"http://127.0.0.1:{ports[tracing]}/v1/chat/completions"
-                res[tracing] = run_subprocess(url, BODY, CAP_HEADERS, duration_s=duration, **kw)
-            row = {"scenario": name, "tracing_on": summarize(res[True]), "tracing_off": summarize(res[False])}
-            if "concurrency" in kw:
-                row["throughput_ratio_on_off"] = round(res[True].achieved_rate / res[False].achieved_rate, 3)
-            else:
-                row["p50_delta_ms"] = round(row["tracing_on"]["p50_ms"] - row["tracing_off"]["p50_ms"], 3)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for headers_name, headers in (("no run headers", {}), ("capped runs", CAP_HEADERS)):
+            for name, kw in (
+                ("closed c=64", {"concurrency": 64}),
+                ("open 200 req/s", {"rate": 200.0}),
+                ("open 500 req/s", {"rate": 500.0}),
+            ):
+                samples: dict[str, list[dict[str, Any]]] = {"direct": [], "tracing_on": [], "tracing_off": []}
+                for round_ in range(rounds):  # on/off alternate who goes first: the machine drifts
+                    if "rate" in kw:
+                        samples["direct"].append(
+                            summarize(run_subprocess(direct, BODY, {}, duration_s=duration, **kw))
+                        )
+                    for tracing in (True, False) if round_ % 2 == 0 else (False, True):
+                        wait_shipped(tmp / "data-True")  # the shipper is idle again
+                        url = f"http://127.0.0.1:{ports[tracing]}/v1/chat/completions"
+                        cpu0, ship0 = cpu_s(pids[tracing]), cpu_s(shipper)
+                        r = run_subprocess(url, BODY, headers, duration_s=duration, **kw)
+                        sample = {
+                            **summarize(r),
+                            "proxy_cpu_ms_per_req": round(
+                                (cpu_s(pids[tracing]) - cpu0) * 1000 / max(1, r.count), 3
+                            ),
+                        }
+                        if tracing:  # the shipper's CPU for these requests, once it has shipped them
+                            wait_shipped(tmp / "data-True")
+                            sample["shipper_cpu_ms_per_req"] = round(
+                                (cpu_s(shipper) - ship0) * 1000 / max(1, r.count), 3
+                            )
+                        samples["tracing_on" if tracing else "tracing_off"].append(sample)
+                row: dict[str, Any] = {"scenario": f"{name}, {headers_name}", "rounds": rounds}
+                for key, runs in samples.items():
+                    if runs:
+                        row[key] = {
+                            k: round(statistics.median(run[k] for run in runs), 3)
+                            for k in runs[0]
+                            if isinstance(runs[0][k], (int, float)) and not isinstance(runs[0][k], bool)
+                        }
+                if "rate" in kw:
+                    for key in ("tracing_on", "tracing_off"):
+                        row[key]["added_p50_ms"] = round(row[key]["p50_ms"] - row["direct"]["p50_ms"], 3)
+                        row[key]["added_p99_ms"] = round(row[key]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                else:
+                    ratios = [
+                        on["rate"] / off["rate"]
+                        for on, off in zip(samples["tracing_on"], samples["tracing_off"], strict=True)
+                    ]
+                    row["throughput_ratio_on_off"] = round(statistics.median(ratios), 3)
+                    row["throughput_ratios"] = [round(x, 3) for x in ratios]
+                row["samples"] = samples
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)
+        wait_shipped(tmp / "data-True")
+        mem = {
+            "scenario": "memory after the load",
+            "proxy_tracing_on": memory(pids[True]),
+            "proxy_tracing_off": memory(pids[False]),
+            "shipper_chdb": memory(shipper),
+        }
+        stop_all(procs[1:])
+        del procs[1:]
+        mem["shipper_clickhouse_server"] = bench_server_shipper(duration, tmp, up_port)
+        rows.append(mem)
+        print(json.dumps(mem), flush=True)
     finally:
         stop_all(procs)
     return rows
 
 
+def bench_server_shipper(duration: float, tmp: Path, up_port: int) -> dict[str, Any]:
+    """The shipper's RSS with a ClickHouse server (the HTTP fixture) instead of chdb, after the
+    same closed-loop load."""
+    ch_port, port = free_port(), free_port()
+    fixture = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.clickhouse_http", str(tmp / "fixture-rss"), str(ch_port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        assert fixture.stdout is not None
+        url = fixture.stdout.readline().decode().strip()
+        cfg = tmp / "runcap-server.toml"
+        cfg.write_text(
+            f'log_requests = false\nclickhouse_url = "{url}"\n[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+        )
+        data = tmp / "data-server"
+        serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
+        serve += ["--listen", f"127.0.0.1:{port}", "--data-dir", str(data)]
+        procs.append(start(serve, port, "runcap (ClickHouse server)", tmp / "runcap-server.log"))
+        shipper = shipper_pid(data)
+        run_subprocess(
+            f"http://127.0.0.1:{port}/v1/chat/completions", BODY, {}, concurrency=64, duration_s=duration
+        )
+        wait_shipped(data)
+        return {**memory(shipper), "proxy": memory(procs[0].pid)}
+    finally:
+        stop_all(procs)
+        fixture.terminate()
+        fixture.wait(20)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spans", type=int, default=200_000)
-    ap.add_argument("--batch-size", type=int, default=5000)
-    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--batch-size", type=int, default=20_000, help="spans per batch (the shipper's default)")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per load run")
+    ap.add_argument("--rounds", type=int, default=3, help="on/off pairs per scenario (medians reported)")
     ap.add_argument("--skip-proxy", action="store_true")
     ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="runcap-span-bench-"))
+    results: list[dict[str, Any]] = []
     if not args.skip_ingest:
         for row in bench_ingestion(args.spans, args.batch_size, tmp):
             print(json.dumps(row), flush=True)
+            results.append(row)
     if not args.skip_proxy:
-        bench_proxy(args.duration, tmp)
+        results += bench_proxy(args.duration, tmp, args.rounds)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

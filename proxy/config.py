@@ -8,6 +8,7 @@ silently drops a cap.
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from collections.abc import Mapping
@@ -29,6 +30,9 @@ def redact_url(url: str) -> str:
         return url
     netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
     return parts._replace(netloc=netloc).geturl()
+
+
+log = logging.getLogger("runcap.config")
 
 
 class ConfigError(Exception):
@@ -86,6 +90,18 @@ class ToolConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TaskCaps:
+    """`[tasks."NAME"]`: default caps for runs of one task type (`X-Run-Task`); a header may
+    lower them, never raise them, and `[caps]` ceilings clamp them."""
+
+    max_usd_nanos: int | None = None
+    max_tokens: int | None = None
+    max_steps: int | None = None
+    max_tool_calls: int | None = None
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CapsConfig:
     """Operator defaults (used when a header is absent) and ceilings (clamp every header value)."""
 
@@ -108,6 +124,7 @@ class CapsConfig:
     default_output_tokens: int = 16384
     # A caller's X-Run-Deadline / X-Run-Timeout further out than this is a 400, not a cap.
     max_run_seconds: float = 7 * 24 * 3600.0
+    tasks: Mapping[str, TaskCaps] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +143,7 @@ class Config:
     # Per-model maximum output tokens, extending the built-in table.
     model_max_output: Mapping[str, int] = field(default_factory=dict)
     clickhouse_url: str | None = None
+    clickhouse_read_url: str | None = None  # the reader's URL (default: clickhouse_url)
     s3_url: str | None = None
     redis_url: str | None = None
     otlp_endpoint: str | None = None
@@ -140,6 +158,32 @@ class Config:
     tool_max_response_bytes: int = 8 * 1024 * 1024
     # [auth] client_tokens: token → tenant. Empty (the sidecar case): no client token needed.
     client_tokens: Mapping[str, str] = field(default_factory=dict)
+    # Every ledger operation's timeout: past it the call is refused with 503 ledger_unavailable.
+    ledger_timeout_s: float = 2.0
+    # How often each process sweeps the ledger for reservations of processes that died.
+    ledger_sweep_interval_s: float = 30.0
+    # Redis ledger: heartbeat period and time to live (a replica whose heartbeat is missing on two
+    # sweeps more than a time to live apart is dead).
+    redis_heartbeat_s: float = 2.0
+    redis_heartbeat_ttl_s: float = 10.0
+    # Connections: time to send a request's headers, its body, and idle time between requests.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    # Open connections from one client address (per worker process); 0: no limit.
+    max_connections_per_client: int = 256
+    # Local payload store (data_dir/payloads): age and total size kept; 0: no limit.
+    payload_retention_days: float = 30.0
+    payload_store_max_bytes: int = 1 << 30
+    # The span path's write-ahead log (data_dir/wal, proxy/spans/wal.py): fsync every
+    # wal_fsync_interval_ms ("interval") or every record ("always"); the bound of the whole WAL
+    # (bodies are dropped from 3/4 of it on, records at it — counted); segment size.
+    wal_fsync: str = "interval"
+    wal_fsync_interval_ms: int = 200
+    wal_max_bytes: int = 1 << 30
+    wal_segment_bytes: int = 16 << 20
+    # [mcp.NAME]: MCP servers reached through /mcp/{name} (proxy/mcp/).
+    mcp: Mapping[str, MCPServerConfig] = field(default_factory=dict)
 
     @property
     def listen(self) -> str:
@@ -156,9 +200,13 @@ DEFAULT_UPSTREAMS = {
 
 _TOP_KEYS = {
     "listen", "data_dir", "require_run_id", "admin_token", "max_body_bytes", "workers",
-    "upstreams", "tools", "caps", "prices", "models", "clickhouse_url", "s3_url", "redis_url",
-    "otlp_endpoint", "payloads", "payload_max_bytes", "log_requests", "tracing",
-    "ledger_retention_s", "tool_max_response_bytes", "auth",
+    "upstreams", "tools", "caps", "prices", "models", "clickhouse_url", "clickhouse_read_url",
+    "s3_url", "redis_url", "otlp_endpoint", "payloads", "payload_max_bytes", "log_requests", "tracing",
+    "ledger_retention_s", "tool_max_response_bytes", "auth", "tasks", "mcp",
+    "ledger_timeout_s", "ledger_sweep_interval_s", "redis_heartbeat_s", "redis_heartbeat_ttl_s",
+    "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "max_connections_per_client",
+    "payload_retention_days", "payload_store_max_bytes",
+    "wal_fsync", "wal_fsync_interval_ms", "wal_max_bytes", "wal_segment_bytes",
 }  # fmt: skip
 
 
@@ -216,7 +264,10 @@ def build_config(
         upstreams[name] = _upstream(name, section, env)
 
     tools = {name: _tool(name, section) for name, section in _table(raw, "tools").items()}
+    mcp = {name: _mcp_server(name, section) for name, section in _table(raw, "mcp").items()}
     caps = _caps(_table(raw, "caps"))
+    tasks = {name: _task(name, section, caps) for name, section in _table(raw, "tasks").items()}
+    caps = replace(caps, tasks=tasks)
     prices = {model: _price(model, section) for model, section in _table(raw, "prices").items()}
     model_max_output = {}
     for model, section in _table(raw, "models").items():
@@ -230,6 +281,12 @@ def build_config(
     clickhouse_url = env.get("RUNCAP_CLICKHOUSE_URL") or raw.get("clickhouse_url") or None
     if clickhouse_url:
         _check_url(clickhouse_url, "RUNCAP_CLICKHOUSE_URL", ("http", "https"))
+    # The reader `/admin/sql` and the read CLI use (a `runcap_reader` user: docs/admin-sql.md).
+    clickhouse_read_url = env.get("RUNCAP_CLICKHOUSE_READ_URL") or raw.get("clickhouse_read_url") or None
+    if clickhouse_read_url:
+        if not clickhouse_url:
+            raise ConfigError("RUNCAP_CLICKHOUSE_READ_URL: needs RUNCAP_CLICKHOUSE_URL (a ClickHouse server)")
+        _check_url(clickhouse_read_url, "RUNCAP_CLICKHOUSE_READ_URL", ("http", "https"))
     s3_url = env.get("RUNCAP_S3_URL") or raw.get("s3_url") or None
     if s3_url:
         _check_url(s3_url, "RUNCAP_S3_URL", ("s3",))
@@ -243,15 +300,39 @@ def build_config(
             f"ledger_retention_s: expected a number of seconds ≥ 1, got {raw['ledger_retention_s']!r}"
         )
 
+    seconds = {
+        key: _seconds(raw, key, default)
+        for key, default in (
+            ("ledger_timeout_s", 2.0),
+            ("ledger_sweep_interval_s", 30.0),
+            ("redis_heartbeat_s", 2.0),
+            ("redis_heartbeat_ttl_s", 10.0),
+            ("header_timeout_s", 10.0),
+            ("body_timeout_s", 60.0),
+            ("keepalive_timeout_s", 75.0),
+        )
+    }
+    if seconds["redis_heartbeat_ttl_s"] <= seconds["redis_heartbeat_s"]:
+        raise ConfigError(
+            f"redis_heartbeat_ttl_s: {seconds['redis_heartbeat_ttl_s']:g} s must be longer than "
+            f"redis_heartbeat_s = {seconds['redis_heartbeat_s']:g} s (several beats per time to live)"
+        )
+    retention_days = _number(raw, "", "payload_retention_days")
+
     n_workers = workers if workers is not None else raw.get("workers", 1)
     if not isinstance(n_workers, int) or isinstance(n_workers, bool) or n_workers < 1:
         raise ConfigError(f"workers: expected a whole number ≥ 1, got {n_workers!r}")
     tracing = _bool(raw, "", "tracing", True)
-    if n_workers > 1 and tracing and not clickhouse_url:
+    # --workers N with embedded chdb is fine: the workers append to the WAL, one shipper owns chdb.
+    wal_fsync = _str(raw, "", "wal_fsync", "interval")
+    if wal_fsync not in ("interval", "always"):
+        raise ConfigError(f'wal_fsync: expected "interval" or "always", got {wal_fsync!r}')
+    wal_max_bytes = _int(raw, "", "wal_max_bytes", minimum=1 << 20, default=1 << 30)
+    wal_segment_bytes = _int(raw, "", "wal_segment_bytes", minimum=64 << 10, default=16 << 20)
+    if wal_segment_bytes > wal_max_bytes // 4:
         raise ConfigError(
-            f"workers: {n_workers} processes cannot share the embedded span store (chdb opens a data "
-            "directory in one process only); set RUNCAP_CLICKHOUSE_URL to a ClickHouse server, "
-            "or run one worker"
+            f"wal_segment_bytes: {wal_segment_bytes} is more than a quarter of wal_max_bytes = "
+            f"{wal_max_bytes} (segments are deleted whole: the bound needs several)"
         )
 
     return Config(
@@ -268,6 +349,7 @@ def build_config(
         prices=prices,
         model_max_output=model_max_output,
         clickhouse_url=clickhouse_url,
+        clickhouse_read_url=clickhouse_read_url,
         s3_url=s3_url,
         redis_url=redis_url,
         otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or raw.get("otlp_endpoint") or None,
@@ -278,6 +360,15 @@ def build_config(
         ledger_retention_s=float(retention) if retention is not None else 7 * 24 * 3600.0,
         tool_max_response_bytes=_int(raw, "", "tool_max_response_bytes", minimum=1, default=8 * 1024 * 1024),
         client_tokens=_client_tokens(_table(raw, "auth"), env),
+        **seconds,
+        max_connections_per_client=_int(raw, "", "max_connections_per_client", minimum=0, default=256),
+        payload_retention_days=float(retention_days) if retention_days is not None else 30.0,
+        payload_store_max_bytes=_int(raw, "", "payload_store_max_bytes", minimum=0, default=1 << 30),
+        wal_fsync=wal_fsync,
+        wal_fsync_interval_ms=_int(raw, "", "wal_fsync_interval_ms", minimum=1, default=200),
+        wal_max_bytes=wal_max_bytes,
+        wal_segment_bytes=wal_segment_bytes,
+        mcp=mcp,
     )
 
 
@@ -354,6 +445,15 @@ def _number(section: Mapping[str, Any], where: str, key: str, *, positive: bool 
     return d
 
 
+def _seconds(section: Mapping[str, Any], key: str, default: float) -> float:
+    value = _number(section, "", key, positive=True)
+    if value is None:
+        return default
+    if value > 86400:
+        raise ConfigError(f"{key}: expected a number of seconds > 0 and ≤ 86400, got {section[key]!r}")
+    return float(value)
+
+
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
@@ -368,6 +468,14 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
         else:
             raise ConfigError(f"{where}.url: required")
     _check_url(url, f"{where}.url", ("http", "https"))
+    if name in DEFAULT_UPSTREAMS and url.rstrip("/").endswith("/v1"):
+        # The usual SDK base URL (https://api.openai.com/v1): runcap's /v1/... routes already
+        # send /v1, so keeping it would make every call a 404 for /v1/v1/...
+        fixed = url.rstrip("/")[: -len("/v1")]
+        log.warning(
+            "%s.url: %r ends with /v1, which runcap's routes add themselves; using %r", where, url, fixed
+        )
+        url = fixed
     default_flavor = DEFAULT_UPSTREAMS[name].flavor if name in DEFAULT_UPSTREAMS else "openai"
     flavor = _str(section, where, "flavor", default_flavor)
     if flavor not in FLAVORS:
@@ -458,6 +566,24 @@ def _client_tokens(section: Mapping[str, Any], env: Mapping[str, str]) -> dict[s
     return tokens
 
 
+def _task(name: str, section: Mapping[str, Any], caps: CapsConfig) -> TaskCaps:
+    where = f'tasks."{name}"'
+    if not name or len(name) > 256 or not name.isprintable():
+        raise ConfigError(f"{where}: a task name is 1-256 printable characters (as sent in X-Run-Task)")
+    _only(section, where, {"max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s"})
+    usd = _number(section, where, "max_usd")
+    timeout = _number(section, where, "timeout_s", positive=True)
+    if timeout is not None and timeout > caps.max_run_seconds:
+        raise ConfigError(f"{where}.timeout_s: beyond caps.max_run_seconds = {caps.max_run_seconds:g} s")
+    return TaskCaps(
+        max_usd_nanos=usd_to_nanos(usd) if usd is not None else None,
+        max_tokens=_int(section, where, "max_tokens"),
+        max_steps=_int(section, where, "max_steps"),
+        max_tool_calls=_int(section, where, "max_tool_calls"),
+        timeout_s=float(timeout) if timeout is not None else None,
+    )
+
+
 def _caps(section: Mapping[str, Any]) -> CapsConfig:
     where = "caps"
     allowed = {
@@ -498,4 +624,90 @@ def _price(model: str, section: Mapping[str, Any]) -> ModelPrice:
         raise ConfigError(f"{where}: input_mtok and output_mtok are required (USD per million tokens)")
     return ModelPrice(
         inp, out, _number(section, where, "cache_read_mtok"), _number(section, where, "cache_write_mtok")
+    )
+
+
+# -- [mcp.NAME]: MCP servers (DESIGN.md "MCP servers (`/mcp/{name}`)") -------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MCPToolConfig:
+    """`[mcp.NAME.tools.TOOL]`: what the operator says about one tool, over its annotations."""
+
+    name: str
+    side_effects: bool | None = None  # None: from tools/list (`readOnlyHint`; absent = side effects)
+    key_fields: tuple[str, ...] | None = None
+    timeout_s: float | None = None
+    max_calls_per_run: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MCPServerConfig:
+    name: str
+    url: str  # the server's Streamable HTTP endpoint
+    headers: Mapping[str, str] = field(default_factory=dict)  # added to every request
+    # Agent headers this server may receive although they are credentials (lower-case names).
+    forward_headers: tuple[str, ...] = ()
+    timeout_s: float | None = None  # each tools/call's own limit (the run's deadline applies too)
+    deny: tuple[str, ...] = ()  # hidden from tools/list, refused on call
+    tools: Mapping[str, MCPToolConfig] = field(default_factory=dict)
+
+    # `url` split once: the base every forwarded request is built on (server/upstream_url.py).
+    base: Base = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base", Base.parse(self.url))
+
+    @property
+    def display_url(self) -> str:
+        return redact_url(self.url)
+
+    def tool(self, name: str) -> MCPToolConfig | None:
+        return self.tools.get(name)
+
+
+def _mcp_server(name: str, section: Mapping[str, Any]) -> MCPServerConfig:
+    where = f"mcp.{name}"
+    _only(section, where, {"url", "headers", "forward_headers", "timeout_s", "deny", "tools"})
+    url = _str(section, where, "url")
+    if not url:
+        raise ConfigError(f"{where}.url: required (the server's Streamable HTTP endpoint)")
+    _check_url(url, f"{where}.url", ("http", "https"))
+    headers = section.get("headers", {})
+    if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
+        raise ConfigError(f'{where}.headers: expected a table of header = "value"')
+    timeout = _number(section, where, "timeout_s", positive=True)
+    tools = {}
+    table = section.get("tools", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}.tools: expected a table of [{where}.tools.TOOL] sections")
+    for tool, tool_section in table.items():
+        if not isinstance(tool_section, dict):
+            raise ConfigError(f"{where}.tools.{tool}: expected a table")
+        tools[tool] = _mcp_tool(f"{where}.tools.{tool}", tool, tool_section)
+    return MCPServerConfig(
+        name=name,
+        url=url.rstrip("/"),
+        headers=dict(headers),
+        forward_headers=tuple(h.lower() for h in _str_list(section, where, "forward_headers")),
+        timeout_s=float(timeout) if timeout is not None else None,
+        deny=_str_list(section, where, "deny"),
+        tools=tools,
+    )
+
+
+def _mcp_tool(where: str, name: str, section: Mapping[str, Any]) -> MCPToolConfig:
+    _only(section, where, {"side_effects", "key_fields", "timeout_s", "max_calls_per_run"})
+    key_fields = section.get("key_fields")
+    if key_fields is not None and (
+        not isinstance(key_fields, list) or not all(isinstance(k, str) and k for k in key_fields)
+    ):
+        raise ConfigError(f"{where}.key_fields: expected a list of argument names")
+    timeout = _number(section, where, "timeout_s", positive=True)
+    return MCPToolConfig(
+        name=name,
+        side_effects=_bool(section, where, "side_effects"),
+        key_fields=tuple(key_fields) if key_fields is not None else None,
+        timeout_s=float(timeout) if timeout is not None else None,
+        max_calls_per_run=_int(section, where, "max_calls_per_run", minimum=1),
     )

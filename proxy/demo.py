@@ -1,11 +1,13 @@
 """`runcap demo`: runcap and the scripted model on free local ports, three agent runs through the
-official `openai` client, and what runcap allowed, clamped or refused at every step — then the
-on-call view of the same runs from the span store: the timeline of the run that hit its dollar cap
-(`runcap run`) and the duplicate-side-effect query catching a repeated tool call
-(`runcap query duplicate_side_effects`).
+official `openai` client, and what runcap allowed, clamped or refused at every step; then an MCP
+server behind runcap (`/mcp/crm`) whose side-effecting `refund` the agent calls twice through the
+official `mcp` client — executed once, replayed once — and the on-call view of the same runs
+from the span store: the timeline of the run that hit its dollar cap (`runcap run`) and the
+duplicate-side-effect query catching the repeated calls (`runcap query duplicate_side_effects`).
 
-No network, no servers to start: the model is `ScriptedUpstream`, storage is embedded under a
-data directory (a fresh temporary one unless `--data-dir` is given).
+No network, no servers to start: the model is `ScriptedUpstream`, the MCP server an `MCPServer`
+in this process, storage is embedded under a data directory (a fresh temporary one unless
+`--data-dir` is given).
 """
 
 from __future__ import annotations
@@ -123,11 +125,88 @@ async def _agent(  # type: ignore[no-untyped-def]
     return spans
 
 
+class CRMServer:
+    """The demo's MCP server: the SDK's `MCPServer` with a side-effecting `refund` (no
+    annotations: side-effecting by the spec's defaults), served in this process by uvicorn."""
+
+    def __init__(self) -> None:
+        self.refunds: list[str] = []
+        self.url = ""
+        self._uvicorn: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        import socket
+
+        import uvicorn
+        from mcp.server.mcpserver import MCPServer
+
+        server = MCPServer("demo-crm", log_level="WARNING")
+
+        @server.tool()
+        def refund(order_id: str, amount: float) -> dict[str, Any]:
+            """Refund an order."""
+            self.refunds.append(order_id)
+            return {"refund_id": f"rf-{len(self.refunds)}", "order_id": order_id, "amount": amount}
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        app = server.streamable_http_app(stateless_http=True, json_response=True)
+        self._uvicorn = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        )
+        self._task = asyncio.create_task(self._uvicorn.serve())
+        for _ in range(200):
+            if self._uvicorn.started:
+                break
+            await asyncio.sleep(0.025)
+        self.url = f"http://127.0.0.1:{port}/mcp"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._uvicorn.should_exit = True
+            await self._task
+
+
+async def _mcp_agent(base_url: str, run_id: str, crm: CRMServer, say) -> int:  # type: ignore[no-untyped-def]
+    """Call `refund` through runcap, then again with the same arguments (an agent retrying after
+    a timeout on its side). Returns the number of spans runcap records for it."""
+    import httpx2
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    say(f"\nrun {run_id}  MCP server behind runcap at {base_url}/mcp/crm (official `mcp` client)")
+    args = {"order_id": "A-1001", "amount": 25.0}
+    async with (
+        httpx2.AsyncClient(headers={"X-Run-Id": run_id, "X-Run-Task": "demo-mcp"}) as http,
+        streamable_http_client(f"{base_url}/mcp/crm", http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        for attempt in ("calls", "retries"):
+            result = await session.call_tool("refund", args)
+            replay = bool(result.meta and result.meta.get("runcap/replay"))
+            say(
+                f"  {attempt:<8} refund({json.dumps(args)}) → {json.dumps(result.structured_content)}"
+                + ("  [replayed by runcap: not executed again]" if replay else "  [executed]")
+            )
+    say(f"  → the MCP server executed refund {len(crm.refunds)} time(s)")
+    return 2
+
+
 async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
     upstream = ScriptedUpstream(SCRIPTS)
     upstream_url = await upstream.start()
+    crm = CRMServer()
+    crm_url = await crm.start()
     config = build_config(
-        {"upstreams": {"openai": {"url": upstream_url}}, "log_requests": False},
+        {
+            "upstreams": {"openai": {"url": upstream_url}},
+            "log_requests": False,
+            "mcp": {"crm": {"url": crm_url}},
+        },
         {},
         listen="127.0.0.1:0",
         data_dir=str(data_dir),
@@ -168,11 +247,14 @@ async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # t
                 f"{state['input_tokens']}+{state['output_tokens']} tokens, ${state['cost_usd']} spent"
                 + (f" of ${state['caps']['max_usd']}" if state["caps"]["max_usd"] else "")
             )
+        spans += await _mcp_agent(base, f"demo-{stamp}-mcp", crm, say)
+        states["mcp"] = {"refunds_executed": len(crm.refunds)}
         store = app[RUNTIME].spans.store
         if store is not None:
             await _oncall_view(store, spans, runs["dollar-cap"][0], data_dir, say)
     finally:
         await runner.cleanup()
+        await crm.stop()
         await upstream.stop()
     return states
 
@@ -204,7 +286,7 @@ async def _oncall_view(store: Any, spans: int, capped_run: str, data_dir: Path, 
     render_table(columns, rows, show=show, title=f"run {capped_run}: {len(rows)} spans, ${total}")
     say("\n$ runcap query duplicate_side_effects      # the same tool, same arguments, more than once")
     columns, rows = await loop.run_in_executor(None, lambda: ask("duplicate_side_effects"))
-    show = ["run_id", "tool_name", "args_hash", "seen_as", "times", "steps", "first_at", "last_at"]
+    show = ["run_id", "tool_name", "args_hash", "seen_as", "times", "replays", "later_all_replayed", "steps"]
     render_table(columns, rows, show=show)
 
 

@@ -4,11 +4,12 @@ Where the SQL goes (`open_reader`):
 
 * `RUNCAP_CLICKHOUSE_URL` set: straight to that ClickHouse server.
 * `--url` given: that runcap's `POST /admin/sql` (with `RUNCAP_ADMIN_TOKEN` when set).
-* `--data-dir` given (no `--url`): the embedded chdb store in that directory, opened by this
-  process — which only works while no `runcap serve` holds it; if one does, the configured
-  runcap's `/admin/sql` is tried next.
-* neither: the configured runcap (`listen`) through `/admin/sql`; when nothing answers there, the
-  configured data directory directly.
+* `--data-dir` given (no `--url`): the span shipper of that data directory, on its local socket
+  (`data_dir/shipper.sock`: while `runcap serve` runs, the shipper owns the embedded chdb store);
+  when no shipper answers, the embedded store in that directory, opened by this process; then
+  the configured runcap's `/admin/sql`.
+* neither: the configured data directory's shipper, then the configured runcap (`listen`) through
+  `/admin/sql`; when nothing answers there, the configured data directory directly.
 
 chdb lets one process open a data directory, hence the order. Every attempt that fails is named
 in the final error. Output is a table on a terminal (rich) or, with `--json`, a JSON array of
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 from proxy.config import Config
 from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
 from proxy.server.auth import cli_admin_token
+from proxy.spans.control import socket_path
 
 Rows = list[list[Any]]
 
@@ -86,6 +88,30 @@ class AdminSqlReader:
         pass
 
 
+class ShipperReader:
+    """SQL through the span shipper's local socket (proxy/spans/control.py): the shipper checks
+    every query with sqlguard, as for `/admin/sql`."""
+
+    def __init__(self, data_dir: Path) -> None:
+        from proxy.spans.control import ShipperClient
+
+        self._client = ShipperClient(Path(data_dir))
+        self.where = str(self._client.path)
+
+    def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], Rows]:
+        from proxy.spans.control import ShipperQueryError, ShipperStoreError, ShipperUnavailable
+
+        try:
+            return self._client.query_sync(sql, params)
+        except ShipperUnavailable as e:
+            raise StoreUnreachable(f"no span shipper answers on {self.where} ({e})") from None
+        except (ShipperQueryError, ShipperStoreError) as e:
+            raise ReadError(f"query failed: {e}") from None
+
+    def close(self) -> None:
+        pass
+
+
 class DirectReader:
     """SQL on the span store itself: a ClickHouse server, or the embedded chdb directory."""
 
@@ -100,7 +126,9 @@ class DirectReader:
             if not path.is_dir():
                 raise StoreUnreachable(f"no embedded span store in {path} (wrong --data-dir?)")
         try:
-            self._store = open_span_store(config.clickhouse_url, config.data_dir)
+            self._store = open_span_store(
+                config.clickhouse_url, config.data_dir, read_url=config.clickhouse_read_url
+            )
         except SpanStoreError as e:
             raise StoreUnreachable(str(e)) from None
 
@@ -124,9 +152,15 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
         return AdminSqlReader(url, token)
     configured = AdminSqlReader(f"http://{config.listen}", token)
     attempts: list[str] = []
-    order = ("direct", "http") if data_dir_given else ("http", "direct")
+    order = ("shipper", "direct", "http") if data_dir_given else ("shipper", "http", "direct")
     for kind in order:
         try:
+            if kind == "shipper":
+                if not socket_path(config.data_dir).exists():
+                    continue
+                shipper = ShipperReader(config.data_dir)
+                shipper.query("SELECT 1")
+                return shipper
             if kind == "direct":
                 return DirectReader(config)
             configured.query("SELECT 1")

@@ -27,8 +27,9 @@ from proxy.server.app import RUNTIME, Runtime, build_app
 from tests.support.processes import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
-# Span pipeline settings for tests: flush and retry quickly.
-FAST_SPANS = {"flush_interval_s": 0.05, "retry_initial_s": 0.05, "retry_max_s": 0.5}
+# Span path settings for tests: the shipper runs in the test process (on threads of its own),
+# flushes and retries quickly; /metrics reads its statistics often.
+FAST_SPANS = {"flush_interval_s": 0.05, "retry_initial_s": 0.05, "retry_max_s": 0.5, "stats_interval_s": 0.2}
 
 
 _handed_out: set[int] = set()

@@ -1,6 +1,6 @@
 """OTLP export against a real OTLP/HTTP receiver decoding the protobuf: GenAI span names and
 attributes, runcap's own attributes, ids and times identical to the Span (so the trace matches
-ClickHouse), and an unreachable collector handled by the pipeline's spool."""
+ClickHouse), and an unreachable collector: the spans wait in the WAL and are exported once it is back."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status as PbStatus
 
 from proxy.spans.model import RunSnapshot, Span
 from proxy.spans.otlp import OTLPSink, operation_for, to_unix_nanos, traces_endpoint
-from proxy.spans.pipeline import SpanPipeline
+from proxy.spans.shipper import Shipper
 from proxy.spans.sink import SinkError
+from proxy.spans.wal import WalWriter
 from tests.support.otlp_receiver import OTLPReceiver
 
 T0 = datetime(2026, 11, 29, 17, 0, 0, 123456, tzinfo=UTC)
@@ -165,7 +166,7 @@ def test_collector_down_raises_sink_error(receiver: OTLPReceiver) -> None:
     sink.close()
 
 
-def test_pipeline_spools_while_collector_fails_then_exports_same_ids(
+def test_wal_holds_spans_while_collector_fails_then_exports_same_ids(
     receiver: OTLPReceiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
@@ -173,18 +174,23 @@ def test_pipeline_spools_while_collector_fails_then_exports_same_ids(
     sink = OTLPSink(timeout_s=0.5)
     assert sink.endpoint == receiver.endpoint + "/v1/traces"
     receiver.fail_with(503)
-    pipe = SpanPipeline([sink], None, tmp_path, batch_size=3, flush_interval_s=0.05, retry_initial_s=0.05)
-    pipe.start()
+    writer = WalWriter(tmp_path)
+    shipper = Shipper(
+        tmp_path, sinks=[sink], batch_size=3, flush_interval_s=0.05, retry_initial_s=0.05, retry_max_s=0.2
+    )
+    shipper.start()
     spans = [model_span(step=i, started_at=T0 + timedelta(milliseconds=i)) for i in range(1, 8)]
     for s in spans:
-        pipe.submit_span(s)
-    deadline = time.monotonic() + 3
-    while pipe.stats().sinks["otlp"].spooled_records < 7 and time.monotonic() < deadline:
+        writer.append_step([s])
+    deadline = time.monotonic() + 5
+    while shipper.stats()["sinks"]["otlp"]["errors"] < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert pipe.stats().sinks["otlp"].spooled_records == 7 and receiver.spans == []
+    stats = shipper.stats()["sinks"]["otlp"]
+    assert stats["errors"] >= 2 and stats["unshipped_bytes"] > 0 and receiver.spans == []
     receiver.fail_with(None)
     got = receiver.wait_for(7)
-    pipe.close()
+    shipper.stop()
+    writer.close()
     assert sorted(s.span_id for s in got) == sorted(s.span_id for s in spans)
     assert {s.start_time_unix_nano for s in got} == {to_unix_nanos(s.started_at) for s in spans}
 

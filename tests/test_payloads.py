@@ -1,6 +1,6 @@
 """Payload stores against a real directory and a real S3 endpoint (moto in server mode):
 byte-exact round trips, the key layout, idempotent writes, the recorded encoding, and payloads
-surviving an S3 outage through the pipeline's spool."""
+surviving an S3 outage in the write-ahead log."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from proxy.spans.payloads import (
     S3PayloadStore,
     open_payload_store,
 )
-from proxy.spans.pipeline import PAYLOADS_LANE, SpanPipeline
+from proxy.spans.shipper import PAYLOADS_LANE, Shipper
+from proxy.spans.wal import WalWriter
 from tests.support.s3 import CREDENTIALS, S3Server
 
 BUCKET = "runcap-payloads"
@@ -190,41 +191,43 @@ def test_open_payload_store_honours_aws_endpoint_url(
         open_payload_store("https://bucket/prefix", tmp_path)
 
 
-def test_s3_outage_spools_payloads_then_delivers(s3: S3Server, tmp_path: Path) -> None:
+def test_s3_outage_payloads_wait_in_the_wal_then_are_delivered(s3: S3Server, tmp_path: Path) -> None:
     def store() -> S3PayloadStore:
         return S3PayloadStore(
             BUCKET, "p/", endpoint_url=s3.endpoint_url, max_attempts=1, connect_timeout_s=0.5
         )
 
-    fast = dict(retry_initial_s=0.05, retry_max_s=0.2, flush_interval_s=0.05, batch_size=4)
+    fast = dict(retry_initial_s=0.05, retry_max_s=0.2, flush_interval_s=0.05, lock_timeout_s=5)
     s3.stop()
-    pipe = SpanPipeline([], store(), tmp_path, **fast)
-    pipe.start()
+    writer = WalWriter(tmp_path / "wal")
+    shipper = Shipper(tmp_path / "wal", payloads=store(), **fast)  # type: ignore[arg-type]
+    shipper.start()
     bodies = [f"payload {i} ".encode() * 50 for i in range(6)] + [os.urandom(3000)]
     for body in bodies:
-        pipe.submit_payload(payload(body, "text/plain"))
-    wait_until(lambda: pipe.stats().sinks[PAYLOADS_LANE].spooled_records == len(bodies))
-    stats = pipe.stats().sinks[PAYLOADS_LANE]
-    assert stats.errors >= 1 and "Could not connect" in stats.last_error
-    assert stats.spooled_bytes > sum(len(b) for b in bodies[-1:])  # the bytes are in the spool
+        writer.append_step((), (), [payload(body, "text/plain")])
+    wait_until(lambda: shipper.stats()["sinks"][PAYLOADS_LANE]["errors"] >= 1)
+    stats = shipper.stats()["sinks"][PAYLOADS_LANE]
+    assert "Could not connect" in stats["last_error"]
+    assert stats["unshipped_bytes"] > sum(len(b) for b in bodies)  # the bytes are in the WAL
 
-    s3.start()  # S3 is back while the same process runs
-    wait_until(lambda: pipe.stats().sinks[PAYLOADS_LANE].spooled_records == 0)
+    s3.start()  # S3 is back while the same shipper runs
+    wait_until(lambda: shipper.stats()["sinks"][PAYLOADS_LANE]["unshipped_bytes"] == 0)
     reader = store()
     for body in bodies:
         assert reader.get(hashlib.sha256(body).hexdigest()) == body
 
-    s3.stop()  # down again, and this time the process stops before S3 returns
+    s3.stop()  # down again, and this time the shipper stops before S3 returns
     late = [b"late one " * 40, b"late two " * 40]
     for body in late:
-        pipe.submit_payload(payload(body))
-    pipe.close()
-    assert pipe.stats().sinks[PAYLOADS_LANE].spooled_records == 2
+        writer.append_step((), (), [payload(body)])
+    wait_until(lambda: shipper.stats()["sinks"][PAYLOADS_LANE]["unshipped_bytes"] > 0)
+    shipper.stop(drain_timeout_s=0.5)
     s3.start()
-    pipe2 = SpanPipeline([], store(), tmp_path, **fast)
-    pipe2.start()
-    wait_until(lambda: pipe2.stats().sinks[PAYLOADS_LANE].spooled_records == 0)
-    pipe2.close()
+    shipper2 = Shipper(tmp_path / "wal", payloads=store(), **fast)  # type: ignore[arg-type]
+    shipper2.start()
+    wait_until(lambda: shipper2.stats()["sinks"][PAYLOADS_LANE]["unshipped_bytes"] == 0)
+    shipper2.stop()
+    writer.close()
     for body in late:
         assert reader.get(hashlib.sha256(body).hexdigest()) == body
     assert len(s3.client().list_objects_v2(Bucket=BUCKET)["Contents"]) == len(bodies) + len(late)

@@ -1,5 +1,5 @@
 """Nothing is lost when a store is down, and the request path never waits for one: ClickHouse
-down then up, S3 down then up, runcap killed with spans in its spool, a sink that hangs, OTLP."""
+down then up, S3 down then up, runcap killed with spans in its WAL, a sink that hangs, OTLP."""
 
 from __future__ import annotations
 
@@ -54,11 +54,12 @@ async def test_clickhouse_down_for_the_whole_run_then_up(runcap_factory, upstrea
     try:
         for i in range(3):  # the agent's requests keep succeeding
             await chat_run(rc, upstream, f"down-{i}", stream=bool(i % 2))
-        for _ in range(100):
-            if await metric(rc.url, 'runcap_spool_records{sink="clickhouse"}') > 0:
+        for _ in range(200):
+            if await metric(rc.url, 'runcap_sink_errors_total{sink="clickhouse"}') > 0:
                 break
             await asyncio.sleep(0.05)
-        assert await metric(rc.url, 'runcap_spool_records{sink="clickhouse"}') > 0
+        assert await metric(rc.url, 'runcap_wal_unshipped_bytes{sink="clickhouse"}') > 0
+        assert await metric(rc.url, 'runcap_wal_oldest_unshipped_age_seconds{sink="clickhouse"}') > 0
         assert await metric(rc.url, 'runcap_sink_errors_total{sink="clickhouse"}') > 0
         ch.start()
         got = await wait_counts(rc, {k: 3 * v for k, v in EXPECTED.items()})
@@ -70,7 +71,7 @@ async def test_clickhouse_down_for_the_whole_run_then_up(runcap_factory, upstrea
         ch.stop()
 
 
-async def test_s3_down_payloads_spooled_then_delivered(runcap_factory, upstream, monkeypatch):  # type: ignore[no-untyped-def]
+async def test_s3_down_payloads_wait_in_the_wal_then_delivered(runcap_factory, upstream, monkeypatch):  # type: ignore[no-untyped-def]
     s3 = S3Server()
     for k, v in CREDENTIALS.items():
         monkeypatch.setenv(k, v)
@@ -86,11 +87,11 @@ async def test_s3_down_payloads_spooled_then_delivered(runcap_factory, upstream,
         )
         hashes = {h for r in rows for h in (r["request_hash"], r["response_hash"])}
         assert len(hashes) == 4
-        for _ in range(100):
-            if await metric(rc.url, 'runcap_spool_records{sink="payloads"}') >= 1:
+        for _ in range(200):
+            if await metric(rc.url, 'runcap_sink_errors_total{sink="payloads"}') >= 1:
                 break
             await asyncio.sleep(0.05)
-        assert await metric(rc.url, 'runcap_spool_records{sink="payloads"}') >= 1
+        assert await metric(rc.url, 'runcap_wal_unshipped_bytes{sink="payloads"}') >= 1
         s3.start()
         client = s3.client()
         deadline = time.monotonic() + 20
@@ -110,7 +111,7 @@ async def test_s3_down_payloads_spooled_then_delivered(runcap_factory, upstream,
         s3.stop()
 
 
-async def test_kill9_with_spans_in_the_spool_then_restart(upstream, tmp_path):  # type: ignore[no-untyped-def]
+async def test_kill9_with_spans_in_the_wal_then_restart(upstream, tmp_path):  # type: ignore[no-untyped-def]
     ch = ClickHouseProcess(tmp_path / "ch")  # down
     config = tmp_path / "runcap.toml"
     config.write_text(
@@ -121,14 +122,15 @@ async def test_kill9_with_spans_in_the_spool_then_restart(upstream, tmp_path):  
     try:
         await chat_run(proc, upstream, "k9-a", stream=False)
         await chat_run(proc, upstream, "k9-b", stream=True)
-        for _ in range(200):  # wait until the failed batches are in the spool on disk
-            if await metric(proc.url, 'runcap_spool_records{sink="clickhouse"}') >= 10:
+        for _ in range(200):  # the shipper has tried (and failed) to ship them
+            if await metric(proc.url, 'runcap_sink_errors_total{sink="clickhouse"}') >= 1:
                 break
             await asyncio.sleep(0.05)
-        assert await metric(proc.url, 'runcap_spool_records{sink="clickhouse"}') >= 10  # 8 spans + runs
-        proc.kill9()
+        assert await metric(proc.url, 'runcap_wal_unshipped_bytes{sink="clickhouse"}') > 0
+        assert await metric(proc.url, "runcap_wal_appended_records_total") == 4  # one record per step
+        proc.kill9()  # the shipper goes with it
         ch.start()
-        proc.start()  # same data dir: replays its spool
+        proc.start()  # same data dir: a new shipper ships the WAL
         got = await wait_counts(proc, {k: 2 * v for k, v in EXPECTED.items()})
         assert got == {k: 2 * v for k, v in EXPECTED.items()}
     finally:

@@ -1,26 +1,61 @@
-"""`serve --workers N`: N processes share the port, the ledger and the span store; each spools
-to its own directory."""
+"""`serve --workers N`: N processes share the port and the ledger; each appends to WAL segments of
+its own, and one shipper ships them all into one span store — a ClickHouse server, or embedded
+chdb (which only the shipper opens), readable with `runcap query` while serving."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import subprocess
+import sys
 
+import aiohttp
 import openai
+import pytest
 
-from tests.conftest import RuncapProcess
+from tests.conftest import REPO, RuncapProcess
 from tests.test_span_faults import wait_counts
 from tests.test_spans import ClickHouseProcess
 
 
-async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path):  # type: ignore[no-untyped-def]
-    ch = ClickHouseProcess(tmp_path / "ch")
-    ch.start()
+async def appended_per_worker(url: str, total: int) -> dict[str, int]:
+    """Each worker's `runcap_wal_appended_records_total{writer}`, scraped on fresh connections
+    (spread over the workers) until the values seen add up to `total`."""
+    seen: dict[str, int] = {}
+    for _ in range(200):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            async with s.get(f"{url}/metrics") as r:
+                text = await r.text()
+        match = re.search(r'^runcap_wal_appended_records_total\{writer="(\d+)"\} (\S+)$', text, re.M)
+        assert match is not None
+        seen[match.group(1)] = int(float(match.group(2)))
+        if sum(seen.values()) == total:
+            break
+    return seen
+
+
+def cli(*args: str) -> list[dict[str, object]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNCAP_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", *args, "--json"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("store", ["server", "embedded"])
+async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path, store):  # type: ignore[no-untyped-def]
+    ch = None
     config = tmp_path / "runcap.toml"
-    config.write_text(
-        f'log_requests = false\nworkers = 2\nclickhouse_url = "{ch.url}"\n'
-        f'[upstreams.openai]\nurl = "{upstream.url}"\n'
-    )
+    text = f'log_requests = false\nworkers = 2\n[upstreams.openai]\nurl = "{upstream.url}"\n'
+    if store == "server":
+        ch = ClickHouseProcess(tmp_path / "ch")
+        ch.start()
+        text = f'clickhouse_url = "{ch.url}"\n' + text
+    config.write_text(text)
     proc = RuncapProcess(config, tmp_path / "data")
     proc.start()  # returns once one worker listens: wait for the other too
     log_path = tmp_path / "runcap.log"
@@ -29,7 +64,6 @@ async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path):
             break
         await asyncio.sleep(0.1)
     try:
-        c = openai.AsyncOpenAI(base_url=f"{proc.url}/v1", api_key="k", max_retries=0)
         h = {"X-Run-Id": "two-workers", "X-Run-Max-Steps": "30"}
 
         async def one() -> None:
@@ -40,7 +74,9 @@ async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path):
                 )
 
         await asyncio.gather(*(one() for _ in range(24)))
-        await c.close()
+        # both workers appended; one shipper put everything in one store
+        per_worker = await appended_per_worker(proc.url, 24)
+        assert sorted(per_worker) == ["0", "1"] and all(per_worker.values()), per_worker
         got = await wait_counts(proc, {"model": 24})
         assert got == {"model": 24}
         async with openai.AsyncOpenAI(base_url=f"{proc.url}/v1", api_key="k") as c2:
@@ -48,12 +84,23 @@ async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path):
                 model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}], extra_headers=h
             )
         assert raw.headers["x-run-step"] == "25"  # one ledger: steps counted across both workers
+        if store == "embedded":
+            # the read CLI while serving: through the shipper's socket, which owns chdb
+            data = str(tmp_path / "data")
+            await wait_counts(proc, {"model": 25})
+            runs = cli("runs", "--data-dir", data)
+            assert [(r["run_id"], r["steps"]) for r in runs] == [("two-workers", 25)]
+            cost = cli("query", "run_cost", "--data-dir", data, "--param", "run_id=two-workers")
+            assert cost and cost[-1]["row"] == "run"
+            assert cli("sql", "SELECT count() AS n FROM runcap.spans", "--data-dir", data) == [{"n": 25}]
     finally:
         proc.stop()
-        ch.stop()
+        if ch is not None:
+            ch.stop()
     log = (tmp_path / "runcap.log").read_text()
     pids = set(re.findall(r'"event": "listening".*?"pid": (\d+)', log))
     assert len(pids) == 2, log[-2000:]
     assert "is in use" not in log and "Traceback" not in log, log[-3000:]
-    spools = sorted(p.name for p in (tmp_path / "data" / "spool").iterdir() if p.is_dir())
-    assert spools == ["worker-0", "worker-1"]
+    assert len(re.findall(r'"event": "shipper started"', log)) == 1  # one shipper for both
+    slots = sorted(p.name for p in (tmp_path / "data" / "wal").glob(".w*.lock"))
+    assert slots == [".w0.lock", ".w1.lock"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -16,34 +17,38 @@ import signal
 import socket
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
 
-from proxy.config import Config
-from proxy.errors import NotFound
+from proxy.config import Config, ConfigError
+from proxy.errors import InvalidRequest, LedgerUnavailable, NotFound
 from proxy.ledger.base import Ledger
+from proxy.ledger.guarded import GuardedLedger, guarded
 from proxy.ledger.sqlite import SQLiteLedger
+from proxy.mcp.gateway import MCPGateway
 from proxy.pricing import PriceBook
 from proxy.server.accesslog import AccessLogStep
 from proxy.server.auth import AdminGuard, ClientAuth, ensure_admin_token
 from proxy.server.budget import BudgetStep
 from proxy.server.cancel import CancelPropagation
+from proxy.server.connections import ConnectionGuard, ConnectionLimits
+from proxy.server.connections import run_app as run_guarded
 from proxy.server.flow import Flights, FlowStep
 from proxy.server.forward import Forwarder
 from proxy.server.metrics import Metrics, MetricsStep
 from proxy.server.ops import OpsRoutes
 from proxy.server.reconcile import IdempotencyAdmin
+from proxy.server.run_path import run_path_request
 from proxy.server.tools import ToolGateway
+from proxy.server.topup import RunCapsAdmin
 from proxy.server.trace import TraceStep
-from proxy.server.upstream_url import UnsafePath, remaining_segments
+from proxy.server.upstream_url import UnsafePath, decode_segment, remaining_segments
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
+from proxy.spans.supervisor import ShipperSupervisor
 
 log = logging.getLogger("runcap.server")
-
-RECOVERY_INTERVAL_S = 30.0
 
 
 @dataclass
@@ -67,37 +72,55 @@ class Runtime:
 RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
 
 
-def open_ledger(config: Config) -> Ledger:
+def open_ledger(config: Config) -> GuardedLedger:
+    """The configured backend, guarded: each operation bounded by `ledger_timeout_s`, and an
+    unavailable backend a 503 `ledger_unavailable` (proxy/ledger/guarded.py)."""
+    backend: Ledger
     if config.redis_url:
         from proxy.ledger.redis import RedisLedger
 
-        return RedisLedger(config.redis_url, retention_s=config.ledger_retention_s)
-    return SQLiteLedger(config.data_dir / "ledger.sqlite3", retention_s=config.ledger_retention_s)
+        backend = RedisLedger(
+            config.redis_url,
+            retention_s=config.ledger_retention_s,
+            heartbeat_s=config.redis_heartbeat_s,
+            heartbeat_ttl_s=config.redis_heartbeat_ttl_s,
+            op_timeout_s=config.ledger_timeout_s,
+        )
+    else:
+        backend = SQLiteLedger(
+            config.data_dir / "ledger.sqlite3",
+            retention_s=config.ledger_retention_s,
+            busy_timeout_s=config.ledger_timeout_s,
+        )
+    return GuardedLedger(backend, timeout_s=config.ledger_timeout_s)
 
 
 def build_app(
     config: Config, ledger: Ledger | None = None, span_options: dict[str, Any] | None = None
 ) -> web.Application:
-    """`span_options` tune the span pipeline (tests flush faster)."""
+    """`span_options` tune the span path (proxy/spans/setup.py): by default the shipper runs in
+    this process on threads of its own (tests flush faster with `flush_interval_s`); `runcap serve`
+    passes `shipper="external"` and runs it as a supervised process."""
     if not config.admin_token:
         # Admin routes always need a token: without a configured one, generate and keep one.
         config = config.with_overrides(admin_token=ensure_admin_token(config.data_dir))
     assert config.admin_token is not None
-    ledger = ledger or open_ledger(config)
+    ledger = guarded(ledger, config.ledger_timeout_s) if ledger is not None else open_ledger(config)
     metrics = Metrics()
     spans = open_span_system(config, **(span_options or {}))
-    if spans.pipeline is not None:
-        metrics.watch_pipeline(spans.pipeline)
+    metrics.watch_spans(spans)
     rt = Runtime(config, ledger, PriceBook(dict(config.prices)), metrics, Flights(), spans)
     app = web.Application(client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536})
     app[RUNTIME] = rt
 
     guard = AdminGuard(config.admin_token)
     clients = ClientAuth(config.client_tokens)
-    OpsRoutes(ledger, metrics, rt.flights, guard, spans.store).add_to(app)
+    OpsRoutes(ledger, metrics, rt.flights, guard, spans.client).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
     ToolGateway(config, ledger, rt.flights, metrics, rt.recorder, clients).add_to(app)
+    MCPGateway(config, ledger, rt.flights, metrics, rt.recorder, clients).add_to(app)  # /mcp/{name}
     IdempotencyAdmin(ledger, guard).add_to(app)
+    RunCapsAdmin(ledger, guard, config.caps, rt.recorder).add_to(app)
     CancelPropagation(ledger, rt.flights).add_to(app)
     upstreams = config.upstreams
 
@@ -115,6 +138,22 @@ def build_app(
     async def named(request: web.Request) -> web.StreamResponse:
         return await _fwd(request, request.match_info["name"], 2)
 
+    async def run_in_path(request: web.Request) -> web.StreamResponse:
+        """`/r/{run_id}[/t/{task}]/<route>` is `<route>` with the run (and task) as headers, for
+        agents that can set a base URL but no headers."""
+        try:
+            inner = run_path_request(request)
+        except InvalidRequest as rej:
+            metrics.rejections.labels(rej.code or rej.type).inc()
+            return rej.response("openai")
+        match = await app.router.resolve(inner)
+        match.add_app(app)
+        match.freeze()
+        inner._match_info = match  # what aiohttp's own dispatch does (web_app._handle)
+        if match.http_exception is not None:
+            raise match.http_exception
+        return await match.handler(inner)
+
     async def _fwd(request: web.Request, name: str | None, consumed: int) -> web.StreamResponse:
         try:
             segments, query = remaining_segments(request.raw_path, consumed)
@@ -122,7 +161,8 @@ def build_app(
             metrics.rejections.labels("unsafe_path").inc()
             return rej.response("anthropic" if name == "anthropic" else "openai")
         if name is None:  # /v1/...: Anthropic's messages, else OpenAI (decided on the checked path)
-            name = "anthropic" if len(segments) > 1 and unquote(segments[1]) == "messages" else "openai"
+            messages = len(segments) > 1 and decode_segment(segments[1]) == "messages"
+            name = "anthropic" if messages else "openai"
         upstream = upstreams.get(name)
         if upstream is None:
             return NotFound(
@@ -137,6 +177,7 @@ def build_app(
     app.router.add_route("*", "/openai/{tail:.*}", prefixed)
     app.router.add_route("*", "/anthropic/{tail:.*}", prefixed)
     app.router.add_route("*", "/u/{name}/{tail:.*}", named)
+    app.router.add_route("*", "/r/{run_id}/{tail:.*}", run_in_path)
 
     async def on_startup(app: web.Application) -> None:
         rt.session = aiohttp.ClientSession(
@@ -151,8 +192,10 @@ def build_app(
             steps.append(AccessLogStep())
         rt.forwarder = Forwarder(config, rt.session, steps, rt.flights, metrics)
         await ledger.recover()
+        metrics.watch_ledger(ledger)
+        ledger.start()  # writes the ledger could not take (settlements...) are retried from now on
         spans.start()
-        app[_RECOVERY] = asyncio.create_task(_recovery_loop(ledger))
+        app[_RECOVERY] = asyncio.create_task(_recovery_loop(ledger, config.ledger_sweep_interval_s))
 
     async def on_cleanup(app: web.Application) -> None:
         app[_RECOVERY].cancel()
@@ -160,7 +203,7 @@ def build_app(
             await app[_RECOVERY]
         if rt.session is not None:
             await rt.session.close()
-        # Drain what the requests recorded to the sinks (or their spools) before exiting.
+        # The WAL fsync'd (and an in-process shipper drained) before exiting.
         await spans.aclose()
         await ledger.close()
 
@@ -172,12 +215,14 @@ def build_app(
 _RECOVERY: web.AppKey[asyncio.Task[None]] = web.AppKey("recovery", asyncio.Task)
 
 
-async def _recovery_loop(ledger: Ledger) -> None:
-    """Settle reservations of sibling workers that died while this process lives on."""
+async def _recovery_loop(ledger: Ledger, interval_s: float) -> None:
+    """Settle reservations of sibling workers (replicas) that died while this process lives on."""
     while True:
-        await asyncio.sleep(RECOVERY_INTERVAL_S)
+        await asyncio.sleep(interval_s)
         try:
             await ledger.recover()
+        except LedgerUnavailable as e:
+            log.warning("ledger sweep skipped: %s", e.message)  # the next one tries again
         except Exception:
             log.exception("ledger recovery failed")
 
@@ -194,8 +239,32 @@ def _install_uvloop() -> None:
 
 
 def serve(config: Config) -> None:
-    """Serve until SIGINT/SIGTERM, in `config.workers` processes sharing the port."""
+    """Serve until SIGINT/SIGTERM, in `config.workers` processes sharing the port; with tracing,
+    a supervised shipper process drains their write-ahead log into the stores."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    shipper = _start_shipper(config)
+    try:
+        _serve_workers(config)
+    finally:
+        if shipper is not None:
+            shipper.stop()  # the workers have stopped appending: drain, then stop
+
+
+def _start_shipper(config: Config) -> ShipperSupervisor | None:
+    if not config.tracing:
+        return None
+    if not config.clickhouse_url and importlib.util.find_spec("chdb") is None:
+        raise ConfigError(
+            "tracing: the embedded span store needs chdb: install the runcap[embedded] extra "
+            "(pip install 'runcap[embedded]'), set RUNCAP_CLICKHOUSE_URL to a ClickHouse server, "
+            "or set tracing = false"
+        )
+    supervisor = ShipperSupervisor(config)
+    supervisor.start()
+    return supervisor
+
+
+def _serve_workers(config: Config) -> None:
     if config.workers == 1:
         _serve_one(config, reuse_port=False, worker=None)
         return
@@ -221,11 +290,10 @@ def serve(config: Config) -> None:
 def _serve_one(config: Config, reuse_port: bool, worker: int | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _install_uvloop()
-    # Each worker spools to its own directory: a spool has one owner process.
-    spool = {"spool_dir": config.data_dir / "spool" / f"worker-{worker}"} if worker is not None else {}
-    app = build_app(config, span_options=spool)
+    # Each worker appends to WAL segments of its own; the shipper `serve` supervises ships them.
+    app = build_app(config, span_options={"shipper": "external"})
     # The request path allocates many short-lived objects; the heap also holds large long-lived
-    # tables (prices, chdb). Freeze what start-up built so collections never rescan it, and
+    # tables (prices). Freeze what start-up built so collections never rescan it, and
     # collect the young generation less often: ~4% of a request's CPU went to the collector.
     gc.collect()
     gc.freeze()
@@ -239,4 +307,7 @@ def _serve_one(config: Config, reuse_port: bool, worker: int | None) -> None:
         '{"event": "listening", "listen": "%s", "pid": %d, "data_dir": "%s", "ledger": "%s"}',
         config.listen, os.getpid(), config.data_dir, app[RUNTIME].ledger.name,
     )  # fmt: skip
-    web.run_app(app, sock=sock, print=None, access_log=None, handle_signals=True, shutdown_timeout=10)
+    # Header and body deadlines, idle keep-alive, connections per client (server/connections.py).
+    guard = ConnectionGuard(ConnectionLimits.from_config(config))
+    app[RUNTIME].metrics.watch_connections(guard)
+    run_guarded(app, sock, guard, keepalive_timeout_s=config.keepalive_timeout_s, shutdown_timeout_s=10)

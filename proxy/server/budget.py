@@ -16,8 +16,9 @@ from typing import TypeVar
 
 from proxy.caps import RunCaps
 from proxy.config import Config
-from proxy.errors import BudgetExceeded, Rejection
-from proxy.ledger.base import Ledger, Reservation, RunState, Settlement, StepRequest
+from proxy.errors import BudgetExceeded, LedgerUnavailable, Rejection
+from proxy.ledger.base import Reservation, RunState, Settlement, StepRequest
+from proxy.ledger.guarded import GuardedLedger
 from proxy.money import format_usd, usd_to_nanos
 from proxy.pricing import PriceBook, max_output_tokens
 from proxy.providers.base import Usage
@@ -56,14 +57,15 @@ def pricing_provider(flow: Flow) -> str:
 
 
 class BudgetStep:
-    def __init__(self, config: Config, ledger: Ledger, prices: PriceBook, metrics: Metrics) -> None:
+    def __init__(self, config: Config, ledger: GuardedLedger, prices: PriceBook, metrics: Metrics) -> None:
         self.config = config
         self.caps = config.caps
+        # Guarded: each operation bounded, an unavailable ledger a 503 `ledger_unavailable`, and
+        # settlements it could not take retried in the background (`settle_later`).
         self.ledger = ledger
         self.prices = prices
         self.metrics = metrics
         self.history = ConversationMemory()
-        self._unsettled: list[tuple[Reservation, Settlement]] = []  # the ledger failed to take
 
     # -- request ------------------------------------------------------------------------------
 
@@ -116,6 +118,8 @@ class BudgetStep:
         )
         try:
             res: Reservation = await self._timed("reserve", self.ledger.begin_step(req))
+        except LedgerUnavailable:
+            raise  # no second ledger call for the span: it would only wait to fail again
         except Rejection:
             flow.state = await self.ledger.get_run(run.run_id)  # for the refused call's span
             raise
@@ -180,31 +184,37 @@ class BudgetStep:
             return
         flow.reservation = None  # exactly once
         settlement = self.settlement(flow, res)
-        await self._retry_unsettled()
+        now = time.time()
+        self.metrics.settled(flow, settlement)  # what the call spent, whenever the ledger takes it
         try:
-            # Shielded: a cancel or deadline arriving now must not lose what the call used.
-            flow.state = await asyncio.shield(
-                self._timed("settle", self.ledger.settle(res, settlement, time.time()))
-            )
-        except Exception:
-            # The agent still gets its (paid-for) answer; the ledger keeps the reservation (the
-            # worst case, so the cap still holds) until a later settle or recovery replaces it.
-            log.exception("run %s step %d: settling failed; will retry", res.run_id, res.step)
-            self._unsettled.append((res, settlement))
+            # This call first, in its own request (earlier failures are retried in the
+            # background); shielded: a cancel or deadline arriving now must not lose what it used.
+            flow.state = await asyncio.shield(self._timed("settle", self.ledger.settle(res, settlement, now)))
+        except Exception as e:
+            self._retry_unsettled(res, settlement, now, e)
             return
-        self.metrics.settled(flow, settlement)
         resp = flow.response_info
         if flow.outcome == "ok" and flow.info and resp and resp.usage and not flow.run.generated:
             self.history.remember(res.run_id, flow.info, resp.usage, resp)
 
-    async def _retry_unsettled(self) -> None:
-        while self._unsettled:
-            res, settlement = self._unsettled[0]
-            try:
-                await asyncio.shield(self.ledger.settle(res, settlement, time.time()))
-            except Exception:
-                return
-            self._unsettled.pop(0)
+    def _retry_unsettled(
+        self, res: Reservation, settlement: Settlement, now: float, error: Exception
+    ) -> None:
+        """The ledger did not take a settlement. The agent still gets its (paid-for) answer; the
+        ledger keeps the reservation — the worst case, so the cap still holds — until the
+        background retry replaces it by what was used (`runcap_unsettled_reservations`), or, should
+        this process die first, a sweep settles it at its reserved amount."""
+        if isinstance(error, LedgerUnavailable):
+            log.warning(
+                "run %s step %d: settlement not taken (%s); retrying it in the background",
+                res.run_id, res.step, error.message,
+            )  # fmt: skip
+        else:
+            log.error(
+                "run %s step %d: settling failed; retrying it in the background",
+                res.run_id, res.step, exc_info=error,
+            )  # fmt: skip
+        self.ledger.settle_later(res, settlement, now)
 
     def settlement(self, flow: Flow, res: Reservation) -> Settlement:
         info = flow.response_info

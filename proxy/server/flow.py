@@ -8,7 +8,9 @@ Hook order for one request:
   request(flow)   before forwarding; may raise a Rejection or rewrite `flow.body_json`
   response(flow)  upstream answered, nothing sent to the agent yet; for a buffered (non-stream)
                   response `flow.response_body` is set; steps may add `flow.reply_headers`
-  done(flow)      the exchange is over (all bytes relayed, or it failed); always called once
+  done(flow)      the exchange is over (all bytes relayed, or it failed); always called once, and
+                  before the agent has the end of the response (a buffered body, a stream's
+                  end-of-body: forward.py), so what a step records precedes a complete answer
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ upstream reset) into the right answer for the agent. Everything else is a `FlowS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -78,6 +79,7 @@ class Forwarder:
         # Chosen on the decoded form of exactly the path that is sent (upstream_url.py).
         adapter = adapter_for(upstream.flavor, target.path) if request.method == "POST" else None
         flow = Flow(request, upstream, target, adapter)
+        reply: web.StreamResponse | None = None
         try:
             try:
                 await self._prepare(flow, clients)
@@ -88,7 +90,8 @@ class Forwarder:
             self.flights.add(flow.run.run_id, task, flow)
             self.metrics.in_flight.inc()
             try:
-                return await self._exchange(flow)
+                reply = await self._exchange(flow)
+                return reply
             finally:
                 self.metrics.in_flight.dec()
                 self.flights.remove(flow.run.run_id, task)
@@ -100,6 +103,12 @@ class Forwarder:
                     log.exception(
                         "step %s failed after %s %s", type(step).__name__, request.method, request.path
                     )
+            if reply is not None and reply.prepared:
+                # A relayed stream ends only now, after the done steps (its trace record is in
+                # the WAL): an agent that got the whole response has it on record. A buffered
+                # body is sent after the handler returns, so after the steps too.
+                with contextlib.suppress(ConnectionResetError, RuntimeError):
+                    await reply.write_eof()
 
     async def _prepare(self, flow: Flow, clients: ClientAuth) -> None:
         request = flow.request
@@ -278,7 +287,7 @@ class Forwarder:
             elif flow.outcome == "ok" and info.error:
                 flow.outcome = "error"
                 flow.error = info.error
-        await reply.write_eof()
+        # the end of the body is written by handle(), after the done steps
 
     async def _cut(self, flow: Flow, reply: web.StreamResponse | None, rej: Rejection) -> web.StreamResponse:
         """The call was cut (deadline, cancel, upstream failure). Before the agent got headers it
@@ -295,7 +304,6 @@ class Forwarder:
                 await reply.write(b"event: error\ndata: " + rej.body("anthropic") + b"\n\n")
             else:
                 await reply.write(b"data: " + rej.body("openai") + b"\n\n")
-            await reply.write_eof()
         except (ConnectionResetError, RuntimeError):
             pass
         return reply

@@ -13,12 +13,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.ledger.pending import RESERVATION_KINDS
 from proxy.money import NANOS_PER_USD
 
 if TYPE_CHECKING:
     from proxy.ledger.base import Settlement
+    from proxy.ledger.guarded import GuardedLedger
+    from proxy.server.connections import ConnectionGuard
     from proxy.server.flow import Flow
-    from proxy.spans.pipeline import SpanPipeline
+    from proxy.spans.setup import SpanSystem
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -93,9 +96,19 @@ class Metrics:
             ["tool"], registry=r,
         )  # fmt: skip
 
-    def watch_pipeline(self, pipeline: SpanPipeline) -> None:
-        """Export the span pipeline's queue, spools and sink errors, read at scrape time."""
-        self.registry.register(_PipelineCollector(pipeline))
+    def watch_spans(self, spans: SpanSystem) -> None:
+        """Export the span path: this process's WAL appends and drops, and the shipper's view —
+        WAL bytes, unshipped bytes and the age of the oldest unshipped record per sink, errors."""
+        if spans.writer is not None:
+            self.registry.register(_SpanCollector(spans))
+
+    def watch_ledger(self, ledger: GuardedLedger) -> None:
+        """Export the ledger's failures and the writes waiting for it, read at scrape time."""
+        self.registry.register(_LedgerCollector(ledger))
+
+    def watch_connections(self, guard: ConnectionGuard) -> None:
+        """Export the connections refused or cut by the server's connection limits."""
+        self.registry.register(_ConnectionCollector(guard))
 
     def ledger_op(self, op: str, seconds: float) -> None:
         self.ledger_latency.labels(op).observe(seconds)
@@ -151,33 +164,131 @@ class MetricsStep:
         self.m.latency.labels(flow.upstream.name, flow.endpoint).observe(flow.duration_ms / 1000.0)
 
 
-class _PipelineCollector(Collector):
-    def __init__(self, pipeline: SpanPipeline) -> None:
-        self.pipeline = pipeline
+class _SpanCollector(Collector):
+    def __init__(self, spans: SpanSystem) -> None:
+        self.spans = spans
 
     def collect(self) -> Iterator[Metric]:
-        st = self.pipeline.stats()
-        yield GaugeMetricFamily("runcap_span_queue_depth", "Records waiting in memory.", value=st.queue_depth)
-        yield CounterMetricFamily(
-            "runcap_span_overflowed", "Records spooled because the queue was full.", value=st.overflowed
+        writer = self.spans.writer
+        assert writer is not None
+        w = writer.stats()
+        # `writer`: this process's WAL writer slot, so the series of --workers N never collide
+        slot = [str(w.slot)]
+        for name, doc, value in (
+            ("runcap_wal_appended_records", "Step records appended to the WAL.", w.appended_records),
+            ("runcap_wal_appended_bytes", "Bytes appended to the WAL.", w.appended_bytes),
+            ("runcap_wal_append_errors", "Failed WAL appends (cut back, retried without bodies).",
+             w.append_errors),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=["writer"])
+            c.add_metric(slot, value)
+            yield c
+        dropped = CounterMetricFamily(
+            "runcap_wal_dropped",
+            "What this process could not append: payload bodies (WAL over 3/4 of wal_max_bytes, or "
+            "the disk full; their hashes are blank in the spans) and whole records (WAL at "
+            "wal_max_bytes, or the disk full even without bodies).",
+            labels=["writer", "what"],
         )
-        per_sink = {
-            "runcap_spool_records": ("Records spooled on disk, waiting for the sink.", "spooled_records"),
-            "runcap_spool_bytes": ("Bytes spooled on disk, waiting for the sink.", "spooled_bytes"),
-            "runcap_spool_oldest_age_seconds": ("Age of the oldest spooled record.", "oldest_spooled_age_s"),
+        dropped.add_metric([*slot, "payload"], w.dropped_payloads)
+        dropped.add_metric([*slot, "record"], w.dropped_records)
+        yield dropped
+        st = self.spans.shipper_stats if self.spans.shipper_up() else None
+        yield GaugeMetricFamily(
+            "runcap_shipper_up", "1 when the span shipper answers on its socket.", value=1 if st else 0
+        )
+        yield GaugeMetricFamily(
+            "runcap_wal_bytes", "Bytes of WAL segments on disk (all processes).",
+            value=st["wal_bytes"] if st else w.wal_bytes,
+        )  # fmt: skip
+        if st is None:
+            return
+        yield CounterMetricFamily(
+            "runcap_shipper_restarts", "Times the span shipper process was restarted.", value=st["restarts"]
+        )
+        yield CounterMetricFamily(
+            "runcap_wal_damaged_records",
+            "Damaged WAL regions the shipper skipped to the next valid record (since it started).",
+            value=st["damaged_records"],
+        )
+        sinks = st["sinks"]
+        gauges = {
+            "runcap_wal_unshipped_bytes": ("WAL bytes a sink has not taken yet.", "unshipped_bytes"),
+            "runcap_wal_oldest_unshipped_age_seconds": (
+                "Age of the oldest WAL record a sink has not taken yet (alert on it: a store has "
+                "been down that long).",
+                "oldest_unshipped_age_s",
+            ),
+            "runcap_sink_retry_in_seconds": ("Time until a failing sink's next attempt.", "retry_in_s"),
         }
-        for name, (doc, attr) in per_sink.items():
+        for name, (doc, key) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["sink"])
-            for sink, s in st.sinks.items():
-                g.add_metric([sink], getattr(s, attr))
+            for sink, s in sinks.items():
+                g.add_metric([sink], s[key])
             yield g
         counters = {
-            "runcap_sink_errors": ("Failed writes to a sink (replays included).", "errors"),
-            "runcap_sink_records_written": ("Records a sink took.", "records_written"),
-            "runcap_sink_dropped": ("Records lost because the spool could not be written.", "dropped"),
-        }
-        for name, (doc, attr) in counters.items():
+            "runcap_sink_errors": ("Failed writes to a sink (retries included).", "errors"),
+            "runcap_sink_records_written": ("WAL records a sink took.", "records_written"),
+            "runcap_sink_rejected": ("Payloads a store can never take (damaged), skipped.", "rejected"),
+        }  # since the shipper (re)started: Prometheus counters handle the resets
+        for name, (doc, key) in counters.items():
             c = CounterMetricFamily(name, doc, labels=["sink"])
-            for sink, s in st.sinks.items():
-                c.add_metric([sink], getattr(s, attr))
+            for sink, s in sinks.items():
+                c.add_metric([sink], s[key])
             yield c
+
+
+class _LedgerCollector(Collector):
+    def __init__(self, ledger: GuardedLedger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        led, pending = self.ledger, self.ledger.pending
+        yield GaugeMetricFamily(
+            "runcap_unsettled_reservations",
+            "Settlements (and releases of reservations) the ledger has not taken yet; retried in "
+            "the background. Non-zero for long: the ledger is down.",
+            value=pending.count(RESERVATION_KINDS),
+        )
+        yield CounterMetricFamily(
+            "runcap_settle_failures",
+            "Settlement attempts the ledger failed to take (first tries and background retries).",
+            value=led.settle_failures + pending.failed_attempts["settlement"],
+        )
+        g = GaugeMetricFamily(
+            "runcap_pending_ledger_writes", "Writes waiting for the ledger, by kind.", labels=["kind"]
+        )
+        for kind, n in sorted(pending.by_kind().items()):
+            g.add_metric([kind], n)
+        yield g
+        yield GaugeMetricFamily(
+            "runcap_pending_ledger_write_oldest_age_seconds",
+            "Age of the oldest write waiting for the ledger.",
+            value=pending.oldest_age_s(),
+        )
+        c = CounterMetricFamily(
+            "runcap_ledger_unavailable",
+            "Ledger operations that failed because the ledger was unavailable (unreachable, timed "
+            "out, disk full), by operation and reason.",
+            labels=["op", "reason"],
+        )
+        for (op, reason), n in sorted(led.unavailable.items()):
+            c.add_metric([op, reason], n)
+        yield c
+
+
+class _ConnectionCollector(Collector):
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("runcap_connections_open", "Open client connections.", value=self.guard.open)
+        c = CounterMetricFamily(
+            "runcap_connections_closed",
+            "Client connections runcap closed: header_timeout, body_timeout, or refused over "
+            "max_connections_per_client.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.guard.closed.items()):
+            c.add_metric([reason], n)
+        yield c

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -11,14 +10,13 @@ import orjson
 from aiohttp import web
 
 from proxy.caps import LEDGER_RUN_ID_RE
-from proxy.errors import InvalidRequest, NotFound, Unauthorized
+from proxy.errors import InvalidRequest, LedgerUnavailable, NotFound, Unauthorized
 from proxy.ledger.base import Ledger, RunState
 from proxy.money import format_usd
 from proxy.server.auth import AdminGuard
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
-from proxy.spans.clickhouse import SpanQueryError, SpanStoreError
-from proxy.spans.sink import LazySink, SinkError
+from proxy.spans.control import ShipperClient, ShipperQueryError, ShipperStoreError, ShipperUnavailable
 
 
 def iso(ts: float | None) -> str | None:
@@ -64,8 +62,10 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
     }
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(data), content_type="application/json", headers=headers
+    )
 
 
 class OpsRoutes:
@@ -75,7 +75,7 @@ class OpsRoutes:
         metrics: Metrics,
         flights: Flights,
         guard: AdminGuard,
-        span_store: LazySink | None = None,
+        span_store: ShipperClient | None = None,
     ) -> None:
         self.ledger = ledger
         self.metrics = metrics
@@ -92,14 +92,23 @@ class OpsRoutes:
         app.router.add_post("/admin/sql", self.admin_sql)
 
     async def healthz(self, request: web.Request) -> web.Response:
+        # Liveness: the process answers. Never the ledger's state — restarting runcap does not
+        # bring Redis back or free a disk, and it answers what it can meanwhile.
         return _json({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        """Ready when the ledger accepts a write within a short timeout (the guarded ledger's
+        `ping`): otherwise 503, naming the backend and why (unreachable, timed out, disk full)."""
+        name = self.ledger.name
         try:
             await self.ledger.ping()
+        except LedgerUnavailable as e:
+            body = {"status": "unavailable", "ledger": name, "reason": e.code, "error": e.message}
+            return _json(body, 503, e.headers)
         except Exception as e:
-            return _json({"status": "unavailable", "ledger": self.ledger.name, "error": str(e)}, 503)
-        return _json({"status": "ready", "ledger": self.ledger.name})
+            body = {"status": "unavailable", "ledger": name, "reason": "ledger_error", "error": str(e)}
+            return _json(body, 503)
+        return _json({"status": "ready", "ledger": name})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -122,7 +131,7 @@ class OpsRoutes:
             state = await self.ledger.get_run(run_id)
             if state is None:
                 raise NotFound(f"no run {run_id!r} in the ledger")
-        except (InvalidRequest, NotFound, Unauthorized) as rej:
+        except (InvalidRequest, NotFound, Unauthorized, LedgerUnavailable) as rej:
             return rej.response("openai")
         return _json(run_json(state, time.time()))
 
@@ -132,14 +141,20 @@ class OpsRoutes:
             run_id = self._run_id(request)
         except (InvalidRequest, Unauthorized) as rej:
             return rej.response("openai")
-        state = await self.ledger.cancel(run_id, time.time())
+        try:
+            # A run not seen yet is cancelled all the same (a cancel racing the run's first
+            # request must win), and the answer says it was not known (a typo?).
+            known = await self.ledger.get_run(run_id) is not None
+            state = await self.ledger.cancel(run_id, time.time())
+        except LedgerUnavailable as rej:
+            return rej.response("openai")  # not cancelled: retry (x-should-retry: true)
         aborted = self.flights.cancel_run(run_id)
         assert state is not None
-        return _json({**run_json(state, time.time()), "aborted_in_flight": aborted})
+        return _json({**run_json(state, time.time()), "aborted_in_flight": aborted, "known": known})
 
     async def admin_sql(self, request: web.Request) -> web.StreamResponse:
-        """Read-only SQL against the span store: in embedded mode only this process may open the
-        chdb directory, so the CLI's read commands come here while `serve` runs."""
+        """Read-only SQL against the span store, through the shipper's socket: the shipper owns
+        the store (embedded chdb lives in its process only) and checks every query with sqlguard."""
         try:
             self.guard.check(request)
             if self.span_store is None:
@@ -156,11 +171,10 @@ class OpsRoutes:
                 raise InvalidRequest('"params" must be an object of name → value', param="params")
         except (InvalidRequest, NotFound, Unauthorized) as rej:
             return rej.response("openai")
-        loop = asyncio.get_running_loop()
         try:
-            columns, rows = await loop.run_in_executor(None, self.span_store.query, sql, params)
-        except SpanQueryError as e:
+            columns, rows = await self.span_store.query(sql, params)
+        except ShipperQueryError as e:
             return InvalidRequest(f"query failed: {e}", param="sql").response("openai")
-        except (SpanStoreError, SinkError) as e:
+        except (ShipperStoreError, ShipperUnavailable) as e:
             return _json({"error": {"type": "span_store_unavailable", "message": str(e)}}, 503)
         return _json({"columns": columns, "rows": rows})

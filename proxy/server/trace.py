@@ -3,7 +3,10 @@
 For a model call: a `model` span (usage, cost, latency, TTFT, outcome), one `tool_call` span per
 tool call the model requested (with `args_hash`), one `tool_result` span per tool result the
 agent sent back for the first time (with `result_hash`), the run's latest state, and the request
-and response bodies for the payload store. Nothing here runs before the agent has its response.
+and response bodies for the payload store — all of it one `recorder.step(...)`, one WAL record.
+It runs once the upstream exchange is over and before the agent has the end of the response (a
+buffered body is sent after the steps, a stream's end-of-body too: forward.py), so a response the
+agent received whole is on record even if runcap is killed right after.
 """
 
 from __future__ import annotations
@@ -87,9 +90,10 @@ class TraceStep:
             return
         rec = self.recorder
         is_error = flow.outcome != "ok"
-        request_hash = rec.payload(flow.sent_body, is_error=is_error) if flow.sent_body else ""
+        request_body = rec.body(flow.sent_body, is_error=is_error) if flow.sent_body else None
         response_bytes = flow.response_body if flow.response_body is not None else flow.captured
-        response_hash = rec.payload(bytes(response_bytes), is_error=is_error) if response_bytes else ""
+        response_body = rec.body(bytes(response_bytes), is_error=is_error) if response_bytes else None
+        bodies = [b for b in (request_body, response_body) if b is not None]
 
         state = flow.state
         step = flow.step or (state.steps + 1 if state is not None else 0)
@@ -124,11 +128,11 @@ class TraceStep:
             reasoning_tokens=usage.reasoning_tokens if usage else 0,
             cost_usd=Decimal(flow.cost_nanos) / NANOS_PER_USD,
             price_known=flow.price_known,
-            request_hash=request_hash,
-            response_hash=response_hash,
+            request_hash=request_body.sha256 if request_body is not None else "",
+            response_hash=response_body.sha256 if response_body is not None else "",
             attributes=attributes,
         )
-        rec.span(model_span)
+        spans = [model_span]
 
         def child(**fields: Any) -> Span:
             """A span of this call's tool traffic: same run, trace and labels, under the call."""
@@ -152,7 +156,7 @@ class TraceStep:
                 self._results.remember(key, (step, ""))
                 # The step that requested the call, when this process saw it requested.
                 call_step, tool_name = self._calls.get(key, (step, ""))
-                rec.span(
+                spans.append(
                     child(
                         kind="tool_result",
                         step=call_step,
@@ -167,7 +171,7 @@ class TraceStep:
             ended = started + timedelta(milliseconds=flow.duration_ms)
             for call in resp.tool_calls:
                 self._calls.remember((flow.run.run_id, call.id), (step, call.name))
-                rec.span(
+                spans.append(
                     child(
                         kind="tool_call",
                         step=step,
@@ -179,8 +183,7 @@ class TraceStep:
                         args_hash=args_hash(call.arguments),
                     )
                 )
-        if state is not None:
-            rec.run(run_snapshot(state))
+        rec.step(spans, run_snapshot(state) if state is not None else None, bodies)
 
     def _passthrough(self, flow: Flow) -> None:
         """An endpoint runcap does not meter is still a step event: a `model` span naming the
@@ -196,21 +199,20 @@ class TraceStep:
         }
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
-        self.recorder.span(
-            Span(
-                run_id=flow.run.run_id,
-                kind="model",
-                step=state.steps if state is not None else 0,
-                started_at=utc(flow.started_wall),
-                duration_ms=flow.duration_ms,
-                ttft_ms=flow.ttft_ms,
-                task=flow.run.task or (state.task if state else ""),
-                provider=flow.upstream.name,
-                endpoint=flow.target.path[:256],
-                status_code=flow.status,
-                outcome=flow.outcome,
-                error=flow.error[:2000],
-                price_known=False,
-                attributes=attributes,
-            )
+        span = Span(
+            run_id=flow.run.run_id,
+            kind="model",
+            step=state.steps if state is not None else 0,
+            started_at=utc(flow.started_wall),
+            duration_ms=flow.duration_ms,
+            ttft_ms=flow.ttft_ms,
+            task=flow.run.task or (state.task if state else ""),
+            provider=flow.upstream.name,
+            endpoint=flow.target.path[:256],
+            status_code=flow.status,
+            outcome=flow.outcome,
+            error=flow.error[:2000],
+            price_known=False,
+            attributes=attributes,
         )
+        self.recorder.step([span])

@@ -1,5 +1,6 @@
-"""The ClickHouse end of the span pipeline: `ClickHouseSink` writes span and run batches and
-answers read-only SQL (the CLI, `POST /admin/sql`). Every read passes the guard of
+"""The ClickHouse end of the span path: `ClickHouseSink` writes span and run batches (in the
+shipper process, proxy/spans/shipper.py) and answers read-only SQL (the shipper's socket for
+`POST /admin/sql` and the read CLI, or the CLI directly). Every read passes the guard of
 proxy/spans/sqlguard.py first: one SELECT of runcap's tables with pure functions, nothing else.
 
 One code path, two backends, both through clickhouse-connect:
@@ -9,17 +10,20 @@ One code path, two backends, both through clickhouse-connect:
   (`interface="chdb"`, clickhouse-connect >= 1.x), which runs the same insert/query code over an
   in-process engine.
 
-Rows go in column-oriented, typed Native inserts (no DESCRIBE, no per-row SQL). A retried batch
-never duplicates rows: each insert carries `insert_deduplication_token = <batch_id>:<table>` and
-the tables keep a deduplication window (see migrations/0001_init.sql), so the engine drops a
-batch it has already committed — on chdb and on a server, across restarts.
+The shipper's batches go in as the WAL holds them, JSON lines (`write_jsonl`, `FORMAT
+JSONEachRow`: ClickHouse parses them, no Python per value); `write` takes record objects in
+column-oriented, typed Native inserts. A retried batch never duplicates rows: each insert carries
+`insert_deduplication_token = <batch_id>:<table>` — the shipper's batch id is made of the batch's
+WAL position, `{segment}:{first offset}:{last offset}` — and the tables keep a deduplication
+window (see migrations/0001_init.sql), so the engine drops a batch it has already committed — on
+chdb and on a server, across restarts.
 
 chdb hosts one engine per process, bound to one directory. Any number of connections to that
 directory may be open in the process (they share the engine); opening a different directory while
 they are open raises, and another process cannot open the directory at all. So the sink is the
 single owner of the embedded store: it holds a writer connection and a read-only connection
-(readonly=2) on the same engine, each behind its own lock, and everything else in the process —
-the CLI in-process, `/admin/sql` — reads through `ClickHouseSink.query`.
+(readonly=2) on the same engine, each behind its own lock, and everything else — `/admin/sql` and
+the read CLI through the shipper's socket — reads through `ClickHouseSink.query`.
 """
 
 from __future__ import annotations
@@ -170,6 +174,37 @@ class ClickHouseSink:
             except Exception as ex:
                 raise SinkError(f"clickhouse ({self.location}): batch {batch_id} not written: {ex}") from ex
 
+    def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
+        """Insert one batch given as JSON lines (`JSONEachRow`, keys = column names), as the WAL
+        holds them (proxy/spans/records.py): ClickHouse parses them, no Python per value. The
+        same per-table deduplication tokens as `write`."""
+        if not batch_id:
+            raise SinkError("clickhouse: a batch needs a non-empty batch_id (it is the deduplication token)")
+        with self._write_lock:
+            if self._closed:
+                raise SinkError(f"clickhouse sink for {self.location} is closed")
+            try:
+                for table, data in ((self._spans, spans), (self._runs, runs)):
+                    if data:
+                        self._writer.raw_insert(
+                            table.qualified,
+                            table.column_names,
+                            data,
+                            settings={
+                                "insert_deduplication_token": f"{batch_id}:{table.name}",
+                                **self._dedup_settings,
+                                # RFC 3339 times with a zone (`...Z`); fields of a newer runcap
+                                # that this schema does not have yet are skipped
+                                "date_time_input_format": "best_effort",
+                                "input_format_skip_unknown_fields": 1,
+                                # a batch of a few MB is parsed by several threads, not one
+                                "min_chunk_bytes_for_parallel_parsing": 1 << 20,
+                            },
+                            fmt="JSONEachRow",
+                        )
+            except Exception as ex:
+                raise SinkError(f"clickhouse ({self.location}): batch {batch_id} not written: {ex}") from ex
+
     def _insert(self, table: _Table, records: Sequence[object], batch_id: str) -> None:
         self._writer.insert(
             table.qualified,
@@ -275,7 +310,7 @@ def _server_client_args(url: str, setting: str) -> tuple[dict[str, Any], str]:
         "username": unquote(parts.username or "default"),
         "password": unquote(parts.password or ""),
         "interface": parts.scheme,
-        # one client is shared by the pipeline thread and request handlers: no HTTP session state
+        # one client is shared by the shipper's lane and socket threads: no HTTP session state
         "autogenerate_session_id": False,
     }
     return args, unquote(parts.path.strip("/").split("/")[0])

@@ -1,6 +1,7 @@
 """The records the request path produces: one `Span` per step event, one `RunSnapshot` per run
 state change, and `Payload` bodies. Field names are the `runcap.spans` / `runcap.runs` column
-names fixed in DESIGN.md; the pipeline ships these objects unchanged to every sink.
+names fixed in DESIGN.md; proxy/spans/records.py writes them to the WAL field by field, and the
+shipper delivers them unchanged to every sink.
 """
 
 from __future__ import annotations

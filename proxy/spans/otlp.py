@@ -1,8 +1,8 @@
 """OTLP export of runcap's spans: the same steps that go to ClickHouse, as OpenTelemetry spans
 following the GenAI semantic conventions, sent over OTLP/HTTP protobuf.
 
-`OTLPSink` is a `SpanSink`, another end of the one span pipe: the pipeline batches, retries and
-spools for it exactly as for ClickHouse. Each Span keeps its own trace id, span id, parent and
+`OTLPSink` is a `SpanSink`, another end of the one span pipe: the shipper batches the write-ahead
+log for it and retries exactly as for ClickHouse. Each Span keeps its own trace id, span id, parent and
 start time (nanosecond-exact from the microsecond `started_at`), so a trace in the collector
 matches the rows in `runcap.spans`. Run snapshots are state, not events, and are not exported.
 
@@ -33,6 +33,10 @@ from proxy.spans.sink import SinkError
 log = logging.getLogger(__name__)
 
 TOOL_KINDS = ("tool", "tool_call", "tool_result")
+# Span attributes named by the OpenTelemetry MCP conventions: exported under their own names.
+_SEMCONV_ATTRIBUTES = frozenset(
+    {"mcp.method.name", "mcp.session.id", "mcp.protocol.version", "jsonrpc.request.id"}
+)
 _OK_OUTCOMES = ("ok", "replayed")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _SCOPE = InstrumentationScope("runcap", "0.1.0")
@@ -122,7 +126,8 @@ def span_attributes(span: Span) -> dict[str, str | int | bool]:
     if span.ttft_ms is not None:
         attrs["runcap.ttft_ms"] = str(span.ttft_ms)
     for key, value in span.attributes.items():
-        attrs.setdefault(f"runcap.attr.{key}", value)
+        name = key if key in _SEMCONV_ATTRIBUTES else f"runcap.attr.{key}"
+        attrs.setdefault(name, value)
     return attrs
 
 
@@ -160,7 +165,7 @@ def to_readable_span(span: Span, resource: Resource) -> ReadableSpan:
 
 
 class OTLPSink:
-    """A SpanSink exporting to an OTLP/HTTP (protobuf) endpoint, synchronously on the pipeline's
+    """A SpanSink exporting to an OTLP/HTTP (protobuf) endpoint, synchronously on the shipper's
     lane thread. OTLP receivers do not deduplicate, so a batch the collector took but whose reply
     was lost is exported again on retry: at-least-once here, unlike ClickHouse."""
 

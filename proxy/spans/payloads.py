@@ -6,19 +6,31 @@ be stored gzip-compressed (stdlib, deterministic with mtime=0, readable with `gu
 encoding is recorded beside the object — S3 object metadata, or a `{hash}.meta` sidecar file —
 never in the key. `get` returns the exact original bytes and checks them against the hash.
 
-The pipeline's payload lane calls `put` from its own thread; a failing `put` raises and the
-pipeline spools the payload and retries. `PayloadPolicy` is what the request path asks before
-submitting a body at all.
+The shipper's payload lane (proxy/spans/shipper.py) calls `put_many` from its own thread; a
+failing store raises and the lane retries the batch later (the body waits in the WAL meanwhile).
+`PayloadPolicy` is what the request path asks before keeping a body at all.
+
+Retention of the local store (`payload_retention_days`, `payload_store_max_bytes`): from the same
+thread, at most every few minutes, `LocalPayloadStore.prune` deletes the bodies not stored (or
+stored again) for longer than the retention, then the oldest ones until the store is under its size
+cap — on a disk shared with the ledger, payloads must not be what fills it. A body put again is
+touched, so one still in use ages from its latest use. S3: use the bucket's lifecycle rules.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
+import itertools
+import logging
 import os
 import re
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +47,8 @@ GZIP = "gzip"
 META_ENCODING = "runcap-encoding"  # S3 user metadata keys (sent as x-amz-meta-...)
 META_SIZE = "runcap-size"
 _HASH = re.compile(r"[0-9a-f]{64}")
+
+log = logging.getLogger("runcap.spans")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +106,18 @@ def _decode(stored: bytes, encoding: str, sha256: str) -> bytes:
     return data
 
 
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    removed_files: int
+    removed_bytes: int
+    kept_bytes: int
+
+
 class LocalPayloadStore:
     """Payloads under a directory (embedded mode). Writes go to a temp file that is fsync'd and
-    renamed into place, data last, so a file at the key is always complete."""
+    renamed into place, data last, so a file at the key is always complete.
+
+    `retention_days` / `max_total_bytes` (0: no limit) bound what it keeps (see `prune`)."""
 
     name = "local"
 
@@ -106,6 +129,9 @@ class LocalPayloadStore:
         compress: bool = True,
         min_compress_bytes: int = 1024,
         fsync: bool = True,
+        retention_days: float = 0.0,
+        max_total_bytes: int = 0,
+        prune_interval_s: float = 300.0,
     ) -> None:
         self.directory = Path(directory)
         self.prefix = prefix
@@ -114,6 +140,11 @@ class LocalPayloadStore:
         self._fsync = fsync
         self._dirs: set[Path] = set()
         self._recent: OrderedDict[str, None] = OrderedDict()  # hashes stored lately, oldest first
+        self.retention_s = retention_days * 86400.0
+        self.max_total_bytes = max_total_bytes
+        self.prune_interval_s = prune_interval_s
+        self._next_prune = 0.0  # monotonic; the first put prunes what an earlier run left
+        self._written_since_prune = 0
 
     def path(self, sha256: str) -> Path:
         return self.directory / payload_key(sha256, self.prefix)
@@ -127,9 +158,12 @@ class LocalPayloadStore:
         """Store a batch: each file written to a temp name (fsync'd when `fsync`) and renamed
         into place, sidecar first. Returns the payloads that can never be stored (wrong hash),
         with the reason."""
+        # String paths and os-level calls: a body is a handful of system calls, and pathlib and
+        # io.open cost as much again in Python (bench/span_bench.py: the shipper's main cost).
         rejected: list[tuple[Payload, str]] = []
-        moves: list[tuple[Path, Path]] = []
-        seen: set[Path] = set()
+        moves: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        root = f"{self.directory}/{self.prefix}sha256/"
         try:
             for payload in payloads:
                 try:
@@ -137,15 +171,18 @@ class LocalPayloadStore:
                 except ValueError as exc:
                     rejected.append((payload, str(exc)))
                     continue
-                path = self.path(sha256)
-                # same hash, same bytes: nothing to do (recent hashes are known without a stat)
-                if path in seen or sha256 in self._recent or path.exists():
+                shard = root + sha256[:2]
+                path = f"{shard}/{sha256}"
+                # same hash, same bytes: nothing to do (recent hashes are known without a stat;
+                # an older file is touched, so retention counts from its latest use)
+                if sha256 in seen or sha256 in self._recent or _touch(path):
                     continue
-                seen.add(path)
+                seen.add(sha256)
                 stored, encoding = _encode(payload.data, self._compress, self._min_compress_bytes)
-                if path.parent not in self._dirs:  # 256 directories: made once, not per body
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    self._dirs.add(path.parent)
+                self._written_since_prune += len(stored)
+                if shard not in self._dirs:  # 256 directories: made once, not per body
+                    os.makedirs(shard, exist_ok=True)
+                    self._dirs.add(shard)
                 if encoding != IDENTITY or payload.content_type:
                     # sidecar first: whoever sees the data file also finds its encoding (no
                     # sidecar: identity, no content type — one file less per body)
@@ -154,19 +191,77 @@ class LocalPayloadStore:
                         "size": len(payload.data),
                         "content_type": payload.content_type,
                     }
-                    moves.append((self._write_tmp(_meta_path(path), orjson.dumps(meta)), _meta_path(path)))
+                    meta_path = path + ".meta"
+                    moves.append((self._write_tmp(meta_path, orjson.dumps(meta)), meta_path))
                 moves.append((self._write_tmp(path, stored), path))
             for tmp, final in moves:
                 os.replace(tmp, final)
             moves = []
-            for path in seen:
-                self._recent[path.name] = None
+            for sha256 in seen:
+                self._recent[sha256] = None
             while len(self._recent) > 10_000:
                 self._recent.popitem(last=False)
         finally:
             for tmp, _ in moves:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        if self._prune_due():
+            self.prune()
         return rejected
+
+    def _prune_due(self) -> bool:
+        if not (self.retention_s or self.max_total_bytes):
+            return False
+        if self.max_total_bytes and self._written_since_prune >= self.max_total_bytes // 10:
+            return True
+        return time.monotonic() >= self._next_prune
+
+    def prune(self, now: float | None = None) -> PruneResult:
+        """Delete bodies older than the retention (by their last store), then the oldest until
+        the store holds at most 90% of its size cap. Returns what was removed and kept."""
+        now = time.time() if now is None else now
+        self._next_prune = time.monotonic() + self.prune_interval_s
+        self._written_since_prune = 0
+        files: list[tuple[float, int, Path]] = []  # (last stored, bytes with sidecar, data file)
+        sidecars: dict[str, int] = {}
+        for shard in _subdirs(self.directory / f"{self.prefix}sha256"):
+            with os.scandir(shard) as entries:
+                for entry in entries:
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    name = entry.name
+                    if name.startswith(".") and name.endswith(".tmp"):
+                        if now - st.st_mtime > 3600:  # left by a process that died mid-write
+                            Path(entry.path).unlink(missing_ok=True)
+                    elif name.endswith(".meta"):
+                        sidecars[name[: -len(".meta")]] = st.st_size
+                    elif _HASH.fullmatch(name):
+                        files.append((st.st_mtime, st.st_size, Path(entry.path)))
+        files = [(mtime, size + sidecars.get(path.name, 0), path) for mtime, size, path in files]
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        removed = removed_bytes = 0
+        # Over the cap: down to 90% of it, so the next bodies do not start the pruning again.
+        cap = self.max_total_bytes
+        target = int(cap * 0.9) if cap and total > cap else None
+        for mtime, size, path in files:
+            expired = self.retention_s and now - mtime > self.retention_s
+            if not expired and (target is None or total - removed_bytes <= target):
+                break  # oldest first: the rest is younger and fits
+            path.unlink(missing_ok=True)
+            _meta_path(path).unlink(missing_ok=True)
+            self._recent.pop(path.name, None)  # stored again if it comes back
+            removed += 1
+            removed_bytes += size
+        if removed:
+            log.info(
+                "payload store %s: removed %d bodies (%d bytes) past payload_retention_days or "
+                "payload_store_max_bytes; %d bytes kept",
+                self.directory, removed, removed_bytes, total - removed_bytes,
+            )  # fmt: skip
+        return PruneResult(removed, removed_bytes, total - removed_bytes)
 
     def get(self, sha256: str) -> bytes:
         path = self.path(sha256)
@@ -187,17 +282,22 @@ class LocalPayloadStore:
         except FileNotFoundError:
             raise KeyError(sha256) from None
 
-    def _write_tmp(self, path: Path, data: bytes) -> Path:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    def _write_tmp(self, path: str, data: bytes) -> str:
+        shard, _, name = path.rpartition("/")
+        tmp = f"{shard}/.{name}.{os.getpid()}.{next(_tmp_ids)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                if self._fsync:
-                    fh.flush()
-                    os.fsync(fh.fileno())
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self._fsync:
+                os.fsync(fd)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
+        os.close(fd)
         return tmp
 
     def close(self) -> None:
@@ -206,6 +306,26 @@ class LocalPayloadStore:
 
 def _meta_path(path: Path) -> Path:
     return path.with_name(path.name + ".meta")
+
+
+_tmp_ids = itertools.count()
+
+
+def _touch(path: Path | str) -> bool:
+    """Refresh the file's time (retention counts from a body's latest store); False when absent."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _subdirs(path: Path) -> list[str]:
+    try:
+        with os.scandir(path) as entries:
+            return [e.path for e in entries if e.is_dir()]
+    except FileNotFoundError:
+        return []
 
 
 class S3PayloadStore:
@@ -219,6 +339,9 @@ class S3PayloadStore:
     case: each step's request differs). Only bodies of at least `head_threshold_bytes` are checked
     with HEAD first, where skipping a re-upload is worth the extra round trip; a small in-process
     memory of recently stored hashes skips repeats without any request.
+
+    `put_many` uploads up to `put_concurrency` bodies at once (boto3 clients are thread-safe): a
+    PUT is a round trip, and one at a time a remote bucket takes a few dozen bodies a second.
     """
 
     name = "s3"
@@ -238,6 +361,7 @@ class S3PayloadStore:
         read_timeout_s: float = 30.0,
         addressing_style: str = "auto",
         client: Any = None,
+        put_concurrency: int = 16,
     ) -> None:
         import boto3
         from botocore.config import Config
@@ -251,6 +375,9 @@ class S3PayloadStore:
         self._head_threshold = head_threshold_bytes
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._recent_max = 4096
+        self._recent_lock = threading.Lock()
+        self._put_concurrency = max(1, put_concurrency)
+        self._pool: ThreadPoolExecutor | None = None
         self._client = client or boto3.session.Session().client(
             "s3",
             endpoint_url=endpoint_url,
@@ -260,6 +387,7 @@ class S3PayloadStore:
                 connect_timeout=connect_timeout_s,
                 read_timeout=read_timeout_s,
                 s3={"addressing_style": addressing_style},
+                max_pool_connections=max(10, self._put_concurrency),
             ),
         )
 
@@ -267,20 +395,28 @@ class S3PayloadStore:
         return payload_key(sha256, self.prefix)
 
     def put_many(self, payloads: Sequence[Payload]) -> list[tuple[Payload, str]]:
-        rejected: list[tuple[Payload, str]] = []
-        for payload in payloads:
+        def put(payload: Payload) -> tuple[Payload, str] | None:
             try:
                 self.put(payload)
             except ValueError as exc:
-                rejected.append((payload, str(exc)))
-        return rejected
+                return payload, str(exc)
+            return None
+
+        if len(payloads) <= 1 or self._put_concurrency == 1:
+            results = [put(p) for p in payloads]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._put_concurrency, thread_name_prefix="runcap-s3-put")
+            results = list(self._pool.map(put, payloads))  # the first failure raises, after all ran
+        return [r for r in results if r is not None]
 
     def put(self, payload: Payload) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
         sha256 = _checked_hash(payload)
-        if sha256 in self._recent:
-            return
+        with self._recent_lock:
+            if sha256 in self._recent:
+                return
         key = self.key(sha256)
         try:
             if len(payload.data) >= self._head_threshold and self._exists(key):
@@ -337,11 +473,14 @@ class S3PayloadStore:
         return True
 
     def _remember(self, sha256: str) -> None:
-        self._recent[sha256] = None
-        if len(self._recent) > self._recent_max:
-            self._recent.popitem(last=False)
+        with self._recent_lock:
+            self._recent[sha256] = None
+            if len(self._recent) > self._recent_max:
+                self._recent.popitem(last=False)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._client.close()
 
 

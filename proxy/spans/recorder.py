@@ -1,19 +1,25 @@
 """What the request path hands its records to: `SpanRecorder`.
 
-The request path (model calls, `/tools` calls) builds `Span`s, `RunSnapshot`s and payload bodies
-and gives them to a recorder, which must return at once (it queues; it never does I/O on the
-event loop). `PipelineRecorder` feeds the span pipeline; `NullRecorder` drops everything, for a
-runcap configured without a span store.
+The request path (model calls, `/tools` calls, MCP) builds `Span`s, `RunSnapshot`s and payload
+bodies and gives them to a recorder, which returns at once. `WalRecorder` appends them to the
+write-ahead log (proxy/spans/wal.py: one `write` per call, no thread hand-off, no store client);
+`NullRecorder` drops everything, for a runcap configured without tracing.
+
+A finished step is one call, `step(spans, run, bodies)`, and so one WAL record: its spans, the
+run's new state and its bodies land together or not at all. `body()` applies the payload policy
+and hashes a body without writing it (the hash goes in the span first). `span()`, `run()` and
+`payload()` record one thing each (a record of its own).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Protocol
 
 from proxy.spans.model import Payload, RunSnapshot, Span
 from proxy.spans.payloads import PayloadPolicy
-from proxy.spans.pipeline import SpanPipeline
+from proxy.spans.wal import WalWriter
 
 
 class SpanRecorder(Protocol):
@@ -22,8 +28,16 @@ class SpanRecorder(Protocol):
     def run(self, snapshot: RunSnapshot) -> None: ...
 
     def payload(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> str:
-        """Queue a body for the payload store; return its sha256 hex ('' when not stored:
+        """Record a body for the payload store; return its sha256 hex ('' when not stored:
         payloads off, errors-only and this is no error, or over the size limit)."""
+
+    def body(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> Payload | None:
+        """A body to pass to `step` (None when the policy does not keep it); nothing written."""
+
+    def step(
+        self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
+    ) -> None:
+        """Record one finished step — spans, the run's state, bodies — as one record."""
 
 
 class NullRecorder:
@@ -36,28 +50,47 @@ class NullRecorder:
     def payload(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> str:
         return ""
 
+    def body(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> Payload | None:
+        return None
+
+    def step(
+        self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
+    ) -> None:
+        pass
+
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class PipelineRecorder:
-    """Feeds the span pipeline; payload bodies are hashed here (the hash goes in the span) and
-    kept only when the payload policy says so."""
+class WalRecorder:
+    """Appends to the WAL; bodies are hashed here (the hash goes in the span) and kept only when
+    the payload policy says so."""
 
-    def __init__(self, pipeline: SpanPipeline, policy: PayloadPolicy) -> None:
-        self.pipeline = pipeline
+    def __init__(self, writer: WalWriter, policy: PayloadPolicy) -> None:
+        self.writer = writer
         self.policy = policy
 
     def span(self, span: Span) -> None:
-        self.pipeline.submit_span(span)
+        self.writer.append_step([span])
 
     def run(self, snapshot: RunSnapshot) -> None:
-        self.pipeline.submit_run(snapshot)
+        self.writer.append_step((), [snapshot])
 
     def payload(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> str:
-        if not self.policy.keep(is_error, len(data)):
+        body = self.body(data, is_error=is_error, content_type=content_type)
+        if body is None:
             return ""
-        digest = sha256_hex(data)
-        self.pipeline.submit_payload(Payload(digest, data, content_type))
-        return digest
+        dropped = self.writer.dropped_payloads
+        self.writer.append_step((), (), [body])
+        return body.sha256 if self.writer.dropped_payloads == dropped else ""
+
+    def body(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> Payload | None:
+        if not self.policy.keep(is_error, len(data)):
+            return None
+        return Payload(sha256_hex(data), data, content_type)
+
+    def step(
+        self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
+    ) -> None:
+        self.writer.append_step(spans, (run,) if run is not None else (), bodies)

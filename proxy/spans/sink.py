@@ -1,8 +1,9 @@
-"""The narrow interfaces between the span pipeline and where records end up.
+"""The narrow interfaces between the shipper and where records end up.
 
-The pipeline's background thread calls these; they may block (clickhouse-connect, chdb and boto3
-are synchronous). A sink raises on failure and the pipeline spools the batch and retries it later,
-so every write must be idempotent for the same `batch_id` / the same payload hash.
+The shipper's lane threads (proxy/spans/shipper.py) call these, in the shipper process; they may
+block (clickhouse-connect, chdb and boto3 are synchronous). A sink raises on failure and the lane
+retries the same batch later — the records wait in the write-ahead log meanwhile — so every write
+must be idempotent for the same `batch_id` / the same payload hash.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class SinkError(Exception):
 
 
 class SpanSink(Protocol):
-    name: str  # "clickhouse", "otlp": used in metrics, logs and spool directory names
+    name: str  # "clickhouse", "otlp": used in metrics, logs and the shipper's cursor file names
 
     def write(self, spans: Sequence[Span], runs: Sequence[RunSnapshot], batch_id: str) -> None:
         """Write one batch. Writing the same batch_id twice must not duplicate rows."""
@@ -44,8 +45,8 @@ class PayloadStore(Protocol):
 
 
 class LazySink:
-    """A sink opened on first use, and reopened after a failed open: runcap starts (and spools)
-    while its span store is down, and delivers once it is up. Queries go to the same store."""
+    """A sink opened on first use, and reopened after a failed open: the shipper starts while its
+    span store is down, and delivers once it is up. Queries go to the same store."""
 
     def __init__(self, name: str, open_sink: Callable[[], Any]) -> None:
         self.name = name
@@ -66,6 +67,9 @@ class LazySink:
 
     def write(self, spans: Sequence[Span], runs: Sequence[RunSnapshot], batch_id: str) -> None:
         self.get().write(spans, runs, batch_id)
+
+    def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
+        self.get().write_jsonl(spans, runs, batch_id)
 
     def query(self, sql: str, params: dict[str, Any] | None = None) -> Any:
         return self.get().query(sql, params)

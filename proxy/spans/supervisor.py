@@ -1,0 +1,130 @@
+"""The shipper as a process of its own, and the supervisor `runcap serve` runs it under.
+
+`ShipperSupervisor` (a thread in `serve`'s first process) starts the shipper
+(`run_shipper_process`, a spawned process), restarts it whenever it exits — with a short backoff;
+the WAL waits, nothing is lost meanwhile — and on shutdown, once the proxy workers have stopped
+appending, asks it to drain (SIGTERM) and waits for it.
+
+The shipper dies with its parent (`PR_SET_PDEATHSIG`): after a `kill -9` of `serve`, no orphan
+keeps the data directory's chdb and shipper lock; the next `serve` starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from proxy.config import Config
+
+log = logging.getLogger("runcap.shipper")
+
+PID_FILE = "shipper.pid"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent check below still applies
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_timeout_s: float) -> None:
+    """The shipper process: ship until SIGTERM/SIGINT, then drain (bounded) and exit."""
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # The lanes log a store's failures themselves, rate-limited, with the cause; the clients'
+    # own line per failed attempt would repeat it every retry.
+    for noisy in ("clickhouse_connect", "urllib3.connectionpool"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Ctrl-C reaches the whole process group: the supervisor stops the shipper after the proxy.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from proxy.spans.setup import open_shipper
+
+    shipper = open_shipper(config, restarts=restarts)
+    with contextlib.suppress(OSError):
+        (Path(config.data_dir) / PID_FILE).write_text(f"{os.getpid()}\n")
+    shipper.start()
+    log.info('{"event": "shipper started", "pid": %d, "restarts": %d}', os.getpid(), restarts)
+    while not stop.wait(1.0):
+        pass
+    shipper.stop(drain_timeout_s)
+
+
+class ShipperSupervisor:
+    """Runs the shipper process and restarts it when it exits (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        restart_delay_s: float = 0.5,
+        max_restart_delay_s: float = 10.0,
+        drain_timeout_s: float = 5.0,
+    ) -> None:
+        self.config = config
+        self.restart_delay_s = restart_delay_s
+        self.max_restart_delay_s = max_restart_delay_s
+        self.drain_timeout_s = drain_timeout_s
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._thread = threading.Thread(target=self._run, name="runcap-shipper-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        delay = self.restart_delay_s
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            proc = ctx.Process(
+                target=run_shipper_process,
+                args=(self.config, os.getpid(), self.restarts, self.drain_timeout_s),
+                name="runcap-shipper",
+                daemon=False,
+            )
+            proc.start()
+            self._proc = proc
+            if self._stopping.is_set():  # stop() came while it was starting
+                os.kill(proc.pid, signal.SIGTERM) if proc.pid else None
+            proc.join()
+            if self._stopping.is_set():
+                return
+            if time.monotonic() - started > 30:
+                delay = self.restart_delay_s  # it ran a while: a fresh failure, not a crash loop
+            log.error(
+                "span shipper (pid %s) exited with %s; restarting in %.1f s (the WAL keeps the spans "
+                "meanwhile)", proc.pid, proc.exitcode, delay,
+            )  # fmt: skip
+            self.restarts += 1
+            if self._stopping.wait(delay):
+                return
+            delay = min(delay * 2, self.max_restart_delay_s)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Drain and stop the shipper (call it after the proxy processes have exited)."""
+        self._stopping.set()
+        proc = self._proc
+        if proc is not None and proc.is_alive() and proc.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            proc.join(timeout_s if timeout_s is not None else self.drain_timeout_s + 5.0)
+            if proc.is_alive():
+                log.error("span shipper did not stop in time; killed (what it did not ship stays in the WAL)")
+                proc.kill()
+                proc.join(5.0)
+        self._thread.join(5.0)

@@ -1,0 +1,559 @@
+"""The write-ahead log between the request path and the shipper: `data_dir/wal/*.wal`.
+
+Each proxy process appends with a `WalWriter` to segments of its own; the shipper
+(proxy/spans/shipper.py) reads every segment with `read_frames` and deletes a segment once every
+sink has passed it. Like Vector's disk buffer or the OpenTelemetry Collector's persistent queue:
+the data path appends and moves on, the sinks drain at their own pace.
+
+Record frame (little-endian), then the body (proxy/spans/records.py):
+
+    magic "RCW1" | u32 body length | u64 append time (unix ms) | u32 crc32 of (length, time, body)
+
+Writer (one per process; not thread-safe — the event loop is its only caller):
+
+* one `writev` per record, no fsync per record: a record is in the page cache when `append_step`
+  returns, so killing runcap loses nothing; a background thread `fdatasync`s the segment every
+  `fsync_interval_s` (an OS crash loses at most that), or every append with `fsync="always"`;
+* a process takes the lowest free writer slot (`.w{N}.lock`, flock) and names its segments
+  `{creation time ns}-w{N}.wal`: names never repeat, so a sink's saved position can never be
+  applied to a different file. The active segment is flock'ed by its writer: unlocked means
+  sealed (rolled at `segment_bytes`, or its writer died) and nothing will be appended any more;
+* a failed append (ENOSPC, a short write) is cut back with `ftruncate` to the last good offset —
+  never leaving torn bytes for later appends to land behind — and retried once without its
+  payload bodies; the writer then rolls to a fresh segment so the full one can be shipped and
+  deleted. Truncating frees space, so this repair never needs any;
+* `max_bytes` bounds the whole WAL (all writers, as last measured plus what this process appended
+  since): above 3/4 of it a record is appended without its bodies (their hashes are blanked in the
+  spans: `''` = not stored), at the bound a record is dropped — both counted and logged, spans
+  never silently.
+
+Reader: a frame whose magic, length or checksum is wrong is damage, skipped to the next frame
+that checks out (counted); an incomplete frame at the end is a record in progress in an active
+segment, and a torn tail (a process killed mid-`write`) in a sealed one — cut off on the next
+writer start of that slot, or read around by the shipper.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxy.spans.model import Payload, RunSnapshot, Span
+from proxy.spans.records import encode_step
+
+log = logging.getLogger("runcap.wal")
+
+MAGIC = b"RCW1"
+_FRAME = struct.Struct("<4sIQI")
+HEADER_SIZE = _FRAME.size
+_CRC_FIELDS = struct.Struct("<IQ")
+MAX_RECORD_BYTES = 256 << 20  # a length beyond this is damage, not data
+SEGMENT_SUFFIX = ".wal"
+FSYNC_MODES = ("interval", "always")
+_READ_CHUNK = 1 << 20
+
+
+def frame_header(body_parts: Sequence[bytes], time_ms: int) -> bytes:
+    length = sum(map(len, body_parts))
+    crc = zlib.crc32(_CRC_FIELDS.pack(length, time_ms))
+    for part in body_parts:
+        crc = zlib.crc32(part, crc)
+    return _FRAME.pack(MAGIC, length, time_ms, crc)
+
+
+def segments(directory: Path) -> list[str]:
+    """Segment file names in `directory`, oldest first."""
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(e.name for e in entries if e.name.endswith(SEGMENT_SUFFIX))
+    except FileNotFoundError:
+        return []
+
+
+def wal_bytes(directory: Path) -> int:
+    total = 0
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.name.endswith(SEGMENT_SUFFIX):
+                    try:
+                        total += entry.stat().st_size
+                    except FileNotFoundError:
+                        pass
+    except FileNotFoundError:
+        pass
+    return total
+
+
+def segment_sealed(path: Path) -> bool:
+    """True when no writer holds the segment: nothing will be appended to it any more."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # also drops the shared lock, if we got it
+    return True
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Frame:
+    offset: int
+    end: int
+    time_ms: int
+    body: memoryview
+
+
+@dataclass(slots=True)
+class ReadResult:
+    frames: list[Frame] = field(default_factory=list)
+    next_offset: int = 0  # where the next read starts: after the last frame or skipped damage
+    at_end: bool = False  # nothing complete after next_offset (for now, if the segment is active)
+    damaged: int = 0  # damaged regions skipped
+    damaged_bytes: int = 0
+    torn_bytes: int = 0  # sealed segment: bytes after the last frame that are no frame
+
+
+def _check(buf: memoryview, at: int) -> int:
+    """Length of the valid frame at `at` in `buf`, or -1 (damage or not complete in `buf`)."""
+    if at + HEADER_SIZE > len(buf):
+        return -1
+    magic, length, _, crc = _FRAME.unpack_from(buf, at)
+    if magic != MAGIC or length > MAX_RECORD_BYTES or at + HEADER_SIZE + length > len(buf):
+        return -1
+    body = buf[at + HEADER_SIZE : at + HEADER_SIZE + length]
+    return length if zlib.crc32(body, zlib.crc32(buf[at + 4 : at + 16])) == crc else -1
+
+
+def _resync(fd: int, start: int, limit: int) -> int | None:
+    """Offset of the first valid frame at or after `start` (before `limit`), or None."""
+    pos = start
+    while pos < limit:
+        chunk = os.pread(fd, min(_READ_CHUNK, limit - pos), pos)
+        if not chunk:
+            return None
+        at = chunk.find(MAGIC)
+        while at != -1:
+            head = os.pread(fd, HEADER_SIZE, pos + at)
+            if len(head) == HEADER_SIZE:
+                _, length, _, _ = _FRAME.unpack(head)
+                if length <= MAX_RECORD_BYTES and pos + at + HEADER_SIZE + length <= limit:
+                    whole = memoryview(os.pread(fd, HEADER_SIZE + length, pos + at))
+                    if _check(whole, 0) >= 0:
+                        return pos + at
+            at = chunk.find(MAGIC, at + 1)
+        if len(chunk) < len(MAGIC):
+            return None
+        pos += len(chunk) - (len(MAGIC) - 1)  # a magic split across chunks is found next time
+    return None
+
+
+def read_frames(
+    path: Path,
+    offset: int,
+    *,
+    sealed: bool,
+    max_bytes: int = 8 << 20,
+    max_frames: int = 1 << 30,
+    until: int | None = None,
+) -> ReadResult:
+    """Complete, valid frames from `offset` on (at least one when there is one, then up to
+    `max_bytes` / `max_frames`; never past `until`). Damage is skipped and counted."""
+    res = ReadResult(next_offset=offset)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        res.at_end = True
+        return res
+    try:
+        size = os.fstat(fd).st_size
+        limit = size if until is None else min(until, size)
+        pos = offset
+        buf = memoryview(b"")
+        base = pos
+        taken = 0
+        while True:
+            if pos >= limit:
+                res.at_end = True
+                break
+            if res.frames and (taken >= max_bytes or len(res.frames) >= max_frames):
+                break
+            rel = pos - base
+            if rel + HEADER_SIZE > len(buf):
+                base, rel = pos, 0
+                buf = memoryview(os.pread(fd, min(max(_READ_CHUNK, max_bytes - taken), limit - pos), pos))
+            if len(buf) - rel < HEADER_SIZE:
+                header_ok = False
+                length = time_ms = crc = 0
+            else:
+                magic, length, time_ms, crc = _FRAME.unpack_from(buf, rel)
+                header_ok = magic == MAGIC and length <= MAX_RECORD_BYTES
+            end = pos + HEADER_SIZE + length
+            if header_ok and end > limit:
+                # Incomplete: a record being written (active segment), or a torn tail or a
+                # damaged length (sealed): damage only if a valid frame follows.
+                if not sealed:
+                    res.at_end = True
+                    break
+                nxt = _resync(fd, pos + 1, limit)
+                if nxt is None:
+                    res.torn_bytes = limit - pos
+                    res.at_end = True
+                    break
+                res.damaged += 1
+                res.damaged_bytes += nxt - pos
+                pos = nxt
+                continue
+            if header_ok:
+                if end - base > len(buf):
+                    base, rel = pos, 0
+                    buf = memoryview(os.pread(fd, max(_READ_CHUNK, end - pos), pos))
+                body = buf[rel + HEADER_SIZE : rel + HEADER_SIZE + length]
+                if zlib.crc32(body, zlib.crc32(buf[rel + 4 : rel + 16])) == crc:
+                    res.frames.append(Frame(pos, end, time_ms, body))
+                    taken += HEADER_SIZE + length
+                    pos = end
+                    continue
+            # Damage (bad magic, length or checksum, or a header cut short).
+            nxt = _resync(fd, pos + 1, limit)
+            if nxt is None:
+                if sealed:
+                    res.torn_bytes = limit - pos
+                # active: valid records appended later will be found behind it
+                res.at_end = True
+                break
+            res.damaged += 1
+            res.damaged_bytes += nxt - pos
+            pos = nxt
+        res.next_offset = pos
+    finally:
+        os.close(fd)
+    return res
+
+
+def valid_end(path: Path) -> ReadResult:
+    """Scan a sealed segment to its end; `next_offset` is where its valid data ends."""
+    res = ReadResult()
+    pos = 0
+    while True:
+        part = read_frames(path, pos, sealed=True, max_bytes=64 << 20)
+        res.damaged += part.damaged
+        res.damaged_bytes += part.damaged_bytes
+        pos = part.next_offset
+        if part.at_end:
+            res.torn_bytes = part.torn_bytes
+            res.next_offset = pos
+            return res
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WriterStats:
+    slot: int
+    segment: str
+    appended_records: int
+    appended_bytes: int
+    dropped_payloads: int  # bodies not appended: WAL over 3/4 of max_bytes, or the disk full
+    dropped_records: int  # whole records lost: WAL at max_bytes, or the disk full even without bodies
+    append_errors: int
+    wal_bytes: int  # estimate: last scan + appended since
+
+
+class WalWriter:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        fsync: str = "interval",
+        fsync_interval_s: float = 0.2,
+        max_bytes: int = 1 << 30,
+        segment_bytes: int = 16 << 20,
+        log_interval_s: float = 30.0,
+    ) -> None:
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"wal_fsync must be one of {', '.join(FSYNC_MODES)} (got {fsync!r})")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._always = fsync == "always"
+        self._fsync_interval_s = fsync_interval_s
+        self.max_bytes = max_bytes
+        self._body_bytes = max_bytes * 3 // 4
+        self.segment_bytes = segment_bytes
+        self._log_interval_s = log_interval_s
+        self._last_log: dict[str, float] = {}
+        self.slot, self._slot_fd = _take_slot(self.directory)
+        self._cut_torn_tail()
+        self._lock = threading.Lock()  # the active fd, between a roll and the syncer
+        self._retired: list[int] = []
+        self._fd, self._name = self._create_segment()
+        self._offset = 0
+        self._dirty = False
+        self._roll_wanted = False
+        self._full_until = 0.0  # monotonic: after ENOSPC, bodies wait a moment
+        self.appended_records = self.appended_bytes = 0
+        self.dropped_payloads = self.dropped_records = self.append_errors = 0
+        self._scan_base = wal_bytes(self.directory)
+        self._scan_mark = 0
+        self._closed = False
+        self._stop = threading.Event()
+        self._syncer = threading.Thread(target=self._run_syncer, name="runcap-wal-sync", daemon=True)
+        self._syncer.start()
+
+    # -- the request path ---------------------------------------------------------------------------
+
+    def append_step(
+        self, spans: Sequence[Span], runs: Sequence[RunSnapshot] = (), payloads: Sequence[Payload] = ()
+    ) -> bool:
+        """Append one record; False when it was dropped (counted and logged). Bodies may be left
+        out (counted), their hashes blanked in the spans."""
+        if self._closed:
+            self._count_drop("record", 1, "the WAL writer is closed")
+            return False
+        if payloads:
+            if time.monotonic() < self._full_until:  # the disk was full a moment ago
+                payloads = self._drop_bodies(spans, payloads, "the disk is full")
+            elif self._wal_estimate() >= self._body_bytes:
+                payloads = self._drop_bodies(spans, payloads, "the WAL is over 3/4 of wal_max_bytes")
+        parts = encode_step(spans, runs, payloads)
+        if self._write(parts):
+            return True
+        if payloads:  # the disk is full (or failing): the spans alone may still fit
+            payloads = self._drop_bodies(spans, payloads, "the disk is full")
+            if self._write(encode_step(spans, runs, payloads)):
+                return True
+        self._count_drop("record", 1, "the WAL could not be written")
+        return False
+
+    def _write(self, body: list[bytes]) -> bool:
+        now_ms = time.time_ns() // 1_000_000
+        head = frame_header(body, now_ms)
+        size = len(head) + sum(map(len, body))
+        if self._wal_estimate() + size > self.max_bytes:
+            self._warn("cap", "the WAL holds wal_max_bytes = %d bytes (a sink is down?): records are dropped",
+                       self.max_bytes)  # fmt: skip
+            return False
+        if self._roll_wanted or self._offset >= self.segment_bytes:
+            self._roll()
+        fd = self._fd
+        error: OSError | None = None
+        try:
+            written = os.writev(fd, [head, *body])
+        except OSError as exc:
+            written, error = -1, exc
+        if written == size:
+            self._offset += size
+            self.appended_records += 1
+            self.appended_bytes += size
+            self._dirty = True
+            if self._always:
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    self._warn("fsync", "fdatasync of WAL segment %s failed: %s", self._name, exc)
+            return True
+        # Cut back to the last good offset, so the next append does not land behind torn bytes.
+        self.append_errors += 1
+        cut = True
+        try:
+            os.ftruncate(fd, self._offset)
+        except OSError as exc:
+            cut = False
+            self._warn(
+                "truncate", "cannot cut WAL segment %s back after a failed append: %s", self._name, exc
+            )
+        # Roll: a full segment is shipped and deleted sooner on its own, and one that could not be
+        # cut back must take no more appends (the reader skips its torn tail once it is sealed).
+        self._roll_wanted = self._offset > 0 or not cut
+        full = error is None or error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        if full:
+            self._full_until = time.monotonic() + 1.0
+        self._warn("append", "appending to WAL segment %s failed (%s)", self._name,
+                   error or f"short write: {written} of {size} bytes")  # fmt: skip
+        return False
+
+    def _drop_bodies(self, spans: Sequence[Span], payloads: Sequence[Payload], why: str) -> list[Payload]:
+        dropped = {p.sha256 for p in payloads}
+        for span in spans:  # '' = not in the payload store (DESIGN.md "Span store")
+            if span.request_hash in dropped:
+                span.request_hash = ""
+            if span.response_hash in dropped:
+                span.response_hash = ""
+        self._count_drop("payload", len(payloads), why)
+        return []
+
+    def _count_drop(self, what: str, n: int, why: str) -> None:
+        if what == "payload":
+            self.dropped_payloads += n
+        else:
+            self.dropped_records += n
+        self._warn(f"drop-{what}", "WAL: %s dropped: %s (%d payload bodies and %d records so far)",
+                   "payload bodies" if what == "payload" else "a record of spans", why,
+                   self.dropped_payloads, self.dropped_records)  # fmt: skip
+
+    def _warn(self, key: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(key, -1e18) >= self._log_interval_s:
+            self._last_log[key] = now
+            log.error(message, *args)
+
+    def _wal_estimate(self) -> int:
+        return self._scan_base + (self.appended_bytes - self._scan_mark)
+
+    # -- segments -----------------------------------------------------------------------------------
+
+    def _create_segment(self) -> tuple[int, str]:
+        stamp = time.time_ns()
+        while True:
+            name = f"{stamp:020d}-w{self.slot}{SEGMENT_SUFFIX}"
+            try:
+                fd = os.open(
+                    self.directory / name,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
+                    0o600,
+                )
+            except FileExistsError:
+                stamp += 1
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX)  # ours: the shipper sees it as active
+            return fd, name
+
+    def _roll(self) -> None:
+        try:
+            fd, name = self._create_segment()
+        except OSError as exc:  # no inode, no directory space: keep the current one, try later
+            self._warn("roll", "cannot start a new WAL segment: %s", exc)
+            return
+        with self._lock:
+            old, self._fd, self._name, self._offset = self._fd, fd, name, 0
+            fcntl.flock(old, fcntl.LOCK_UN)  # sealed: the shipper may finish and delete it
+            self._retired.append(old)  # fsync'd and closed by the syncer
+        self._roll_wanted = False
+
+    def _cut_torn_tail(self) -> None:
+        """The newest segment of this slot was left by a process that died: cut off a record it
+        was writing when it was killed (ftruncate: needs no free space)."""
+        mine = [n for n in segments(self.directory) if n.endswith(f"-w{self.slot}{SEGMENT_SUFFIX}")]
+        if not mine:
+            return
+        path = self.directory / mine[-1]
+        try:
+            res = valid_end(path)
+            if res.torn_bytes:
+                os.truncate(path, res.next_offset)
+                log.warning("WAL segment %s: cut off a torn record of %d bytes (a process died writing it)",
+                            path.name, res.torn_bytes)  # fmt: skip
+        except OSError as exc:
+            log.warning("WAL segment %s: could not check its tail: %s", path.name, exc)
+
+    # -- background ---------------------------------------------------------------------------------
+
+    def _run_syncer(self) -> None:
+        while not self._stop.wait(self._fsync_interval_s):
+            try:
+                self._sync_once()
+            except Exception:  # a bug here must not stop the fsyncs for good
+                log.exception("WAL syncer failed")
+
+    def _sync_once(self) -> None:
+        with self._lock:
+            retired, self._retired = self._retired, []
+            fd = os.dup(self._fd) if self._dirty and not self._always else -1
+            self._dirty = False
+        for old in retired:
+            try:
+                os.fdatasync(old)
+            except OSError:
+                pass
+            os.close(old)
+        if fd >= 0:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                self._warn("fsync", "fdatasync of WAL segment %s failed: %s", self._name, exc)
+            finally:
+                os.close(fd)
+        if retired:
+            _fsync_dir(self.directory)
+        mark = self.appended_bytes
+        self._scan_base, self._scan_mark = wal_bytes(self.directory), mark
+
+    def sync(self) -> None:
+        """Make everything appended so far durable now."""
+        self._dirty = True
+        self._sync_once()
+
+    def stats(self) -> WriterStats:
+        return WriterStats(
+            slot=self.slot,
+            segment=self._name,
+            appended_records=self.appended_records,
+            appended_bytes=self.appended_bytes,
+            dropped_payloads=self.dropped_payloads,
+            dropped_records=self.dropped_records,
+            append_errors=self.append_errors,
+            wal_bytes=self._wal_estimate(),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._syncer.join(5.0)
+        try:
+            self.sync()
+        except OSError:
+            pass
+        with self._lock:
+            os.close(self._fd)  # releases the segment's lock: sealed
+            self._fd = -1
+        os.close(self._slot_fd)
+
+
+def _take_slot(directory: Path) -> tuple[int, int]:
+    """The lowest writer slot no live process holds (flock): one writer per slot."""
+    for slot in itertools.count():
+        fd = os.open(directory / f".w{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if slot >= 4096:
+                raise RuntimeError(f"no free WAL writer slot in {directory}") from None
+            continue
+        return slot, fd
+    raise AssertionError("unreachable")
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,349 @@
+"""The write-ahead log on real files: records round-trip exactly, one record per step, torn tails
+cut on the next open, damage skipped to the next valid record and counted, a failed append (a
+real ENOSPC on a small tmpfs) cut back so nothing behind it is torn, the WAL bound (bodies first,
+then records — counted), the cursor file's in-place slots, and a writer killed -9 mid-append."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from proxy.spans.cursors import CursorFile, CursorState, Pending
+from proxy.spans.model import Payload, RunSnapshot, Span
+from proxy.spans.records import StepRecord, encode_step
+from proxy.spans.wal import HEADER_SIZE, WalWriter, frame_header, read_frames, segment_sealed, segments
+from tests.conftest import REPO
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def make_span(i: int, run_id: str = "run-1", **kw: object) -> Span:
+    fields: dict[str, object] = dict(
+        run_id=run_id,
+        kind="model",
+        step=i,
+        started_at=T0 + timedelta(microseconds=i),
+        model="gpt-4o-mini",
+        cost_usd=Decimal("0.000123450") * i,
+        attributes={"i": str(i)},
+    )
+    fields.update(kw)
+    return Span(**fields)  # type: ignore[arg-type]
+
+
+def make_run(i: int, run_id: str = "run-1") -> RunSnapshot:
+    return RunSnapshot(
+        run_id=run_id, task="triage", started_at=T0, updated_at=T0 + timedelta(seconds=i),
+        status="active", steps=i, tool_calls=0, input_tokens=10 * i, output_tokens=i,
+        cost_usd=Decimal("0.5"), max_usd=None, max_tokens=1000, max_steps=None, max_tool_calls=None,
+        deadline=None,
+    )  # fmt: skip
+
+
+def payload(data: bytes) -> Payload:
+    return Payload(hashlib.sha256(data).hexdigest(), data, "application/json")
+
+
+def all_records(wal: Path) -> list[StepRecord]:
+    out = []
+    for name in segments(wal):
+        res = read_frames(wal / name, 0, sealed=segment_sealed(wal / name), max_bytes=1 << 30)
+        out += [StepRecord(f.body) for f in res.frames]
+    return out
+
+
+def writer(wal: Path, **kw: object) -> WalWriter:
+    return WalWriter(wal, fsync_interval_s=0.05, **kw)  # type: ignore[arg-type]
+
+
+# --- records ---------------------------------------------------------------------------------------
+
+
+def test_records_round_trip_exactly(tmp_path: Path) -> None:
+    tz = timezone(timedelta(hours=5, minutes=30))
+    span = Span(
+        run_id="r:1", kind="tool", step=3, started_at=datetime(2026, 1, 2, 3, 4, 5, 0, tzinfo=tz),
+        parent_span_id="0123456789abcdef", duration_ms=0.1 + 0.2, ttft_ms=None,
+        cost_usd=Decimal("0.001250000"), price_known=False, tool_name="refund",
+        attributes={"k": "v", "ünï": "😀"},
+    )  # fmt: skip
+    run = RunSnapshot(
+        run_id="r:1", task="", started_at=datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=tz),
+        updated_at=datetime(2026, 1, 2, 3, 4, 6, tzinfo=UTC), status="completed", steps=2, tool_calls=1,
+        input_tokens=2**40, output_tokens=0, cost_usd=Decimal("1E-9"), max_usd=Decimal("5.000000000"),
+        max_tokens=None, max_steps=10, max_tool_calls=None,
+        deadline=datetime(2026, 1, 2, 4, 0, tzinfo=timezone(timedelta(hours=-3, seconds=-37))),
+    )  # fmt: skip
+    body = payload(b"\x00\xff binary")
+    w = writer(tmp_path)
+    assert w.append_step([span], [run], [body])
+    w.close()
+    [record] = all_records(tmp_path)
+    # the same instants (written in UTC: ClickHouse stores UTC), the same exact decimals
+    assert record.spans() == [span] and record.runs() == [run] and record.payloads() == [body]
+    assert str(record.spans()[0].cost_usd) == "0.001250000"
+    assert b'"cost_usd":"0.000000001"' in record.runs_jsonl.tobytes()  # fixed point, never "1E-9"
+    assert record.runs()[0].deadline == datetime(2026, 1, 2, 7, 0, 37, tzinfo=UTC)
+    assert record.spans_jsonl.tobytes().count(b"\n") == 1  # JSONEachRow, ready for ClickHouse
+
+
+def test_one_step_is_one_write(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    spans = [make_span(i) for i in range(4)]
+    bodies = [payload(b"request"), payload(b"response")]
+    writes = []
+    real = os.writev
+
+    def counting(fd: int, parts: list[bytes]) -> int:
+        writes.append(fd)
+        return real(fd, parts)
+
+    os.writev = counting  # type: ignore[assignment]
+    try:
+        w.append_step(spans, [make_run(1)], bodies)
+    finally:
+        os.writev = real  # type: ignore[assignment]
+    w.close()
+    assert len(writes) == 1
+    [record] = all_records(tmp_path)
+    assert (record.n_spans, record.n_runs, len(record.payloads())) == (4, 1, 2)
+
+
+# --- segments, torn tails, damage ----------------------------------------------------------------------
+
+
+def test_segments_roll_and_are_sealed_when_their_writer_moves_on(tmp_path: Path) -> None:
+    w = writer(tmp_path, segment_bytes=4096, max_bytes=1 << 30)
+    for i in range(40):
+        w.append_step([make_span(i)])
+    names = segments(tmp_path)
+    assert len(names) > 3 and all(n.endswith("-w0.wal") for n in names)
+    assert [segment_sealed(tmp_path / n) for n in names] == [True] * (len(names) - 1) + [False]
+    w.close()
+    assert segment_sealed(tmp_path / names[-1])  # its writer is gone
+    assert [s.step for r in all_records(tmp_path) for s in r.spans()] == list(range(40))
+
+
+def test_writers_take_their_own_slots_and_names_never_repeat(tmp_path: Path) -> None:
+    a, b = writer(tmp_path), writer(tmp_path)
+    assert (a.slot, b.slot) == (0, 1)
+    a.append_step([make_span(1)])
+    b.append_step([make_span(2)])
+    first = set(segments(tmp_path))
+    a.close()
+    for name in first:
+        (tmp_path / name).unlink()  # shipped and deleted
+    c = writer(tmp_path)  # slot 0 again: a new name all the same
+    assert c.slot == 0 and not set(segments(tmp_path)) & first
+    b.close()
+    c.close()
+
+
+def test_torn_tail_is_cut_when_the_slot_is_opened_again(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    for i in range(3):
+        w.append_step([make_span(i)])
+    w.close()
+    [name] = segments(tmp_path)
+    good = (tmp_path / name).stat().st_size
+    body = encode_step([make_span(99)], [], [])
+    with open(tmp_path / name, "ab") as fh:  # killed in the middle of a write
+        fh.write((frame_header(body, 0) + b"".join(body))[: HEADER_SIZE + 30])
+    res = read_frames(tmp_path / name, 0, sealed=True)
+    assert [f.offset for f in res.frames][-1] < good and res.torn_bytes == HEADER_SIZE + 30
+    w2 = writer(tmp_path)  # the same slot: its last segment's torn tail is cut off
+    assert w2.slot == 0 and (tmp_path / name).stat().st_size == good
+    w2.close()
+    assert [s.step for r in all_records(tmp_path) for s in r.spans()] == [0, 1, 2]
+
+
+def test_an_incomplete_record_in_an_active_segment_is_waited_for(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    w.append_step([make_span(1)])
+    [name] = segments(tmp_path)
+    size = (tmp_path / name).stat().st_size
+    res = read_frames(tmp_path / name, 0, sealed=False)
+    assert len(res.frames) == 1 and res.next_offset == size and res.at_end
+    w.append_step([make_span(2)])
+    res = read_frames(tmp_path / name, size, sealed=False, until=size + HEADER_SIZE + 10)
+    assert res.frames == [] and res.damaged == 0 and res.torn_bytes == 0 and res.next_offset == size
+    w.close()
+
+
+def test_damage_is_skipped_to_the_next_valid_record_and_counted(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    for i in range(3):
+        w.append_step([make_span(i)], [], [payload(b"body %d" % i * 50)])
+    w.close()
+    [name] = segments(tmp_path)
+    path = tmp_path / name
+    first = read_frames(path, 0, sealed=True).frames
+    data = bytearray(path.read_bytes())
+    data[first[1].offset + HEADER_SIZE + 40] ^= 0xFF  # a flipped byte in the second record
+    path.write_bytes(bytes(data))
+    res = read_frames(path, 0, sealed=True)
+    assert [StepRecord(f.body).spans()[0].step for f in res.frames] == [0, 2]
+    assert res.damaged == 1 and res.damaged_bytes == first[1].end - first[1].offset
+    # damage at the very start (no magic), and a length that points past the end
+    data[0:4] = b"XXXX"
+    data[first[2].offset + 4 : first[2].offset + 8] = (1 << 27).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    res = read_frames(path, 0, sealed=True)
+    # nothing valid from the first byte on: all of it is a torn tail, nothing is read as a record
+    assert res.frames == [] and res.at_end and res.torn_bytes == len(data) and res.next_offset == 0
+
+
+# --- a failed append, the WAL bound ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_enospc_cuts_the_append_back_drops_bodies_first_and_nothing_written_is_damaged(
+    tmp_path: Path,
+) -> None:
+    with small_tmpfs(tmp_path / "fs", "1m") as fs:
+        wal = fs / "wal"
+        w = writer(wal, segment_bytes=64 << 10, max_bytes=1 << 30)
+        big = [payload(os.urandom(48 << 10) + uuid.uuid4().bytes) for _ in range(40)]
+        written_steps = []
+        for i, body in enumerate(big):  # 40 bodies of 48 KiB into 1 MiB
+            span = make_span(i, request_hash=body.sha256)
+            if w.append_step([span], [], [body]):
+                written_steps.append((i, span.request_hash))
+        stats = w.stats()
+        assert stats.append_errors >= 1 and stats.dropped_payloads >= 1
+        # the spans kept coming, without their bodies: their hashes blanked ('' = not stored)
+        assert len(written_steps) > 20 and ("" in {h for _, h in written_steps})
+        for _ in range(200):  # more spans than fit: counted, the WAL stays readable
+            w.append_step([make_span(1000)])
+        w.close()
+        records = all_records(wal)
+        got = [(s.step, s.request_hash) for r in records for s in r.spans() if s.step < 1000]
+        assert got == written_steps  # every appended record reads back whole, in order
+        stored = {p.sha256 for r in records for p in r.payloads()}
+        assert all(h in stored for _, h in got if h)
+        for name in segments(wal):
+            res = read_frames(wal / name, 0, sealed=True, max_bytes=1 << 30)
+            assert res.damaged == 0 and res.torn_bytes == 0  # cut back, never torn
+
+
+def test_the_wal_bound_drops_bodies_first_then_records_counted(tmp_path: Path) -> None:
+    w = writer(tmp_path, max_bytes=1 << 20, segment_bytes=64 << 10)
+    body_steps = bare_steps = 0
+    n = 2000
+    for i in range(n):
+        body = payload(os.urandom(16 << 10))
+        span = make_span(i, request_hash=body.sha256, error="x" * 200)
+        if w.append_step([span], [], [body]):
+            if span.request_hash:
+                body_steps += 1
+            else:
+                bare_steps += 1
+    stats = w.stats()
+    assert 0 < body_steps and stats.dropped_payloads == n - body_steps
+    assert bare_steps > 0 and stats.dropped_records == n - body_steps - bare_steps
+    assert stats.dropped_records > 0  # at the bound, whole records go — counted
+    w.close()
+    total = sum((tmp_path / n).stat().st_size for n in segments(tmp_path))
+    assert total <= 1 << 20
+    spans = [s for r in all_records(tmp_path) for s in r.spans()]
+    assert len(spans) == body_steps + bare_steps
+    # spans whose bodies were dropped say so: no hash of a body that is not there
+    assert sum(1 for s in spans if not s.request_hash) == bare_steps
+
+
+# --- the cursor file --------------------------------------------------------------------------------
+
+
+def test_cursor_slots_survive_a_torn_write(tmp_path: Path) -> None:
+    path = tmp_path / "c" / "clickhouse.cursor"
+    cursor = CursorFile(path)
+    size = path.stat().st_size
+    state = CursorState({"a.wal": 10}, {"old.wal"}, Pending("a.wal", 10, 20, 30))
+    cursor.save(state, sync=True)
+    state.offsets["a.wal"] = 30
+    state.pending = None
+    cursor.save(state, sync=False)
+    cursor.close()
+    assert path.stat().st_size == size  # overwritten in place: no new blocks
+    loaded = CursorFile(path).load()
+    assert loaded.offsets == {"a.wal": 30} and loaded.pending is None and loaded.done == {"old.wal"}
+    # the newest slot torn by a crash: the one before it wins
+    raw = bytearray(path.read_bytes())
+    raw[64 << 10 : (64 << 10) + 40] = b"\0" * 40
+    path.write_bytes(bytes(raw))
+    loaded = CursorFile(path).load()
+    assert loaded.offsets == {"a.wal": 10} and loaded.pending == Pending("a.wal", 10, 20, 30)
+
+
+def test_cursor_grows_for_many_segments(tmp_path: Path) -> None:
+    cursor = CursorFile(tmp_path / "x.cursor")
+    state = CursorState({f"{i:020d}-w0.wal": i for i in range(5000)})
+    cursor.save(state, sync=True)
+    cursor.close()
+    assert CursorFile(tmp_path / "x.cursor").load().offsets == state.offsets
+
+
+# --- kill -9 while appending -------------------------------------------------------------------------
+
+CHILD = """
+import sys
+from pathlib import Path
+from proxy.spans.wal import WalWriter
+from tests.test_wal import make_span, payload
+
+w = WalWriter(Path(sys.argv[1]), segment_bytes=256 << 10)
+i = 0
+while True:
+    body = payload(b"%d " % i * 300)
+    w.append_step([make_span(i, request_hash=body.sha256)], [], [body])
+    print(i, flush=True)  # appended: in the page cache
+    i += 1
+"""
+
+
+def test_kill_9_mid_append_loses_nothing_that_was_appended(tmp_path: Path) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    last = -1
+    deadline = time.monotonic() + 60
+    while last < 5000 and time.monotonic() < deadline:
+        last = int(child.stdout.readline())
+    child.send_signal(signal.SIGKILL)  # while it is writing
+    child.wait()
+    w = writer(tmp_path)  # the next process on the slot cuts a torn tail, if there is one
+    w.close()
+    steps = [s.step for r in all_records(tmp_path) for s in r.spans()]
+    assert steps[: last + 1] == list(range(last + 1))  # every append it reported is there, once
+    assert len(steps) == len(set(steps))
+    for name in segments(tmp_path):
+        res = read_frames(tmp_path / name, 0, sealed=True, max_bytes=1 << 30)
+        assert res.damaged == 0 and res.torn_bytes == 0
