@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
-import tempfile
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -58,12 +60,19 @@ SCRIPTS: dict[str, list[dict[str, Any]]] = {
 }
 
 
+def usd(amount: str) -> str:
+    """runcap's 9-decimal money strings as a person writes them: $0.0209, $0.05."""
+    whole, _, frac = str(amount).partition(".")
+    return f"${whole}.{frac.rstrip('0').ljust(2, '0')}"
+
+
 def _fmt_headers(h: Any) -> str:
     parts = []
     if "x-run-remaining-usd" in h:
-        parts.append(f"${h['x-run-remaining-usd']} left")
+        parts.append(f"{usd(h['x-run-remaining-usd'])} left")
     if "x-run-remaining-steps" in h:
-        parts.append(f"{h['x-run-remaining-steps']} steps left")
+        n = int(h["x-run-remaining-steps"])
+        parts.append(f"{n} step{'' if n == 1 else 's'} left")
     return ", ".join(parts)
 
 
@@ -90,7 +99,11 @@ async def _agent(  # type: ignore[no-untyped-def]
         except openai.APIStatusError as e:
             err = e.body.get("error", e.body) if isinstance(e.body, dict) else {}
             code = err.get("code") or err.get("type")
-            say(f"  refused   HTTP {e.status_code} {code}: {err.get('message', '')[:150]}")
+            message = textwrap.fill(
+                f"HTTP {e.status_code} {code}: {err.get('message', '')}", width=100,
+                initial_indent="  refused   ", subsequent_indent=" " * 12,
+            )  # fmt: skip
+            say(message)
             break
         h = raw.headers
         resp = raw.parse()
@@ -244,14 +257,25 @@ async def run_demo(data_dir: Path, say=print) -> dict[str, dict[str, Any]]:  # t
             states[name] = state
             say(
                 f"  → status {state['status']}: {state['steps']} steps, {state['tool_calls']} tool calls, "
-                f"{state['input_tokens']}+{state['output_tokens']} tokens, ${state['cost_usd']} spent"
-                + (f" of ${state['caps']['max_usd']}" if state["caps"]["max_usd"] else "")
+                f"{state['input_tokens']}+{state['output_tokens']} tokens, {usd(state['cost_usd'])} spent"
+                + (f" of {usd(state['caps']['max_usd'])}" if state["caps"]["max_usd"] else "")
             )
         spans += await _mcp_agent(base, f"demo-{stamp}-mcp", crm, say)
         states["mcp"] = {"refunds_executed": len(crm.refunds)}
         store = app[RUNTIME].spans.store
         if store is not None:
             await _oncall_view(store, spans, runs["dollar-cap"][0], data_dir, say)
+        capped, steps = states["dollar-cap"], states["step-cap"]
+        say(
+            f"\nWhat runcap just prevented: the essayist would have kept writing past its "
+            f"{usd(capped['caps']['max_usd'])} cap — it stopped at {usd(capped['cost_usd'])} (its last call "
+            f"clamped, the next refused with a 402 no SDK retries); the wanderer would have called "
+            f"tools for ever — it got an answer-only step {steps['steps']}."
+        )
+        say(
+            f"And the MCP refund the agent retried ran once, not twice ({len(crm.refunds)} execution); "
+            "the on-call query above shows the replay."
+        )
     finally:
         await runner.cleanup()
         await crm.stop()
@@ -290,14 +314,30 @@ async def _oncall_view(store: Any, spans: int, capped_run: str, data_dir: Path, 
     render_table(columns, rows, show=show)
 
 
+DEFAULT_DATA_DIR = "runcap-demo-data"
+
+
 def main(data_dir: str | None = None) -> int:
-    tmp = None
-    if data_dir is None:
-        tmp = tempfile.mkdtemp(prefix="runcap-demo-")
-        data_dir = tmp
-    try:
-        asyncio.run(run_demo(Path(data_dir)))
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    """Run the demo and keep its data, so the commands it prints work when pasted."""
+    where = Path(data_dir or DEFAULT_DATA_DIR)
+    states = asyncio.run(run_demo(where))
+    runcap = _runcap_command()
+    capped = states["dollar-cap"]["run_id"]
+    print(
+        f"\nThe demo's data is in {where}/ (delete it when done: rm -rf {where}). Try:\n"
+        f"  {runcap} run {capped} --data-dir {where}\n"
+        f"  {runcap} runs --data-dir {where}\n"
+        f"  {runcap} query duplicate_side_effects --data-dir {where}"
+    )
     return 0
+
+
+def _runcap_command() -> str:
+    """How to call runcap from here: `runcap` when it is on PATH, else the path to this one."""
+    found = shutil.which("runcap")
+    mine = Path(sys.executable).parent / "runcap"
+    if found and Path(found).resolve() == mine.resolve():
+        return "runcap"
+    if mine.exists():
+        return os.path.relpath(mine) if not os.path.relpath(mine).startswith("../..") else str(mine)
+    return f"{sys.executable} -m proxy.cli"

@@ -1,6 +1,8 @@
 -- runs: What ran recently, and how did each run end? The latest state of each run (runcap.runs,
 -- newest version per run — never a sum over versions), newest first. cap_hit names the cap that
--- stopped the run ('' when none did). Used by `runcap runs`.
+-- stopped the run as the header that set it — X-Run-Max-Usd, X-Run-Max-Tokens, X-Run-Max-Steps,
+-- X-Run-Max-Tool-Calls, X-Run-Deadline — or 'cancel' ('' when none did; for budget_exceeded with
+-- both a dollar and a token cap, the one more used up). Used by `runcap runs`.
 --
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR   -- runs updated since
 -- @param task    String                = ''                         -- one task; '' = all
@@ -10,8 +12,18 @@ SELECT
     run_id,
     task,
     status,
-    if(status IN ('budget_exceeded', 'steps_exceeded', 'tool_calls_exceeded', 'deadline_exceeded', 'cancelled'),
-       status, '') AS cap_hit,
+    multiIf(
+        status = 'steps_exceeded', 'X-Run-Max-Steps',
+        status = 'tool_calls_exceeded', 'X-Run-Max-Tool-Calls',
+        status = 'deadline_exceeded', 'X-Run-Deadline',
+        status = 'cancelled', 'cancel',
+        status != 'budget_exceeded', '',
+        max_usd IS NULL, 'X-Run-Max-Tokens',
+        max_tokens IS NULL, 'X-Run-Max-Usd',
+        toFloat64(cost_usd) / greatest(toFloat64(max_usd), 1e-9)
+            >= (input_tokens + output_tokens) / greatest(toFloat64(max_tokens), 1), 'X-Run-Max-Usd',
+        'X-Run-Max-Tokens'
+    ) AS cap_hit,
     steps,
     tool_calls,
     input_tokens,

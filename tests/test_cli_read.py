@@ -93,7 +93,7 @@ def test_through_a_running_runcap(served: Served) -> None:
     statuses = {r["run_id"]: r["status"] for r in runs}
     assert set(statuses) == served.facts.all_run_ids()
     assert statuses["cli-usd"] == "budget_exceeded" and statuses["cli-dup"] == "completed"
-    assert {r["run_id"]: r["cap_hit"] for r in runs}["cli-steps"] == "steps_exceeded"
+    assert {r["run_id"]: r["cap_hit"] for r in runs}["cli-steps"] == "X-Run-Max-Steps"
     assert Decimal(next(r for r in runs if r["run_id"] == "cli-dup")["cost_usd"]) == served.facts.runs[
         "dup"
     ].cost(PRICES)

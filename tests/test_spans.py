@@ -313,6 +313,25 @@ async def test_refused_call_is_a_span(runcap_factory, upstream):  # type: ignore
     ]
 
 
+async def test_cancel_shows_in_the_runs_table_at_once(runcap_factory, upstream):  # type: ignore[no-untyped-def]
+    """`runcap runs` says cancelled when the run is cancelled, not at its next call."""
+    rc = await runcap_factory({"tracing": True})
+    c = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0)
+    h = {"X-Run-Id": "cx-row"}
+    messages = [{"role": "user", "content": "x"}]
+    await c.chat.completions.create(model="gpt-4o-mini", messages=messages, extra_headers=h)
+    async with aiohttp.ClientSession() as s, s.post(f"{rc.url}/runs/cx-row/cancel", headers=rc.admin) as r:
+        assert r.status == 200
+    query = (
+        "SELECT status FROM runcap.runs WHERE run_id = 'cx-row' "
+        "ORDER BY updated_at DESC LIMIT 1"
+    )
+    deadline = time.monotonic() + 20
+    while (rows := await sql(rc, query)) != [{"status": "cancelled"}] and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert rows == [{"status": "cancelled"}]
+
+
 async def test_passthrough_calls_are_spans(runcap_factory, upstream):  # type: ignore[no-untyped-def]
     """Endpoints runcap does not meter are still step events: passed through or refused."""
     rc = await runcap_factory({"tracing": True})

@@ -115,7 +115,7 @@ def build_app(
 
     guard = AdminGuard(config.admin_token)
     clients = ClientAuth(config.client_tokens)
-    OpsRoutes(ledger, metrics, rt.flights, guard, spans.client).add_to(app)
+    OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
     ToolGateway(config, ledger, rt.flights, metrics, rt.recorder, clients).add_to(app)
     MCPGateway(config, ledger, rt.flights, metrics, rt.recorder, clients).add_to(app)  # /mcp/{name}

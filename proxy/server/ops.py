@@ -16,7 +16,9 @@ from proxy.money import format_usd
 from proxy.server.auth import AdminGuard
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
+from proxy.server.trace import run_snapshot
 from proxy.spans.control import ShipperClient, ShipperQueryError, ShipperStoreError, ShipperUnavailable
+from proxy.spans.recorder import NullRecorder, SpanRecorder
 
 
 def iso(ts: float | None) -> str | None:
@@ -76,12 +78,14 @@ class OpsRoutes:
         flights: Flights,
         guard: AdminGuard,
         span_store: ShipperClient | None = None,
+        recorder: SpanRecorder | None = None,
     ) -> None:
         self.ledger = ledger
         self.metrics = metrics
         self.flights = flights
         self.guard = guard
         self.span_store = span_store
+        self.recorder: SpanRecorder = recorder or NullRecorder()
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/healthz", self.healthz)
@@ -150,6 +154,8 @@ class OpsRoutes:
             return rej.response("openai")  # not cancelled: retry (x-should-retry: true)
         aborted = self.flights.cancel_run(run_id)
         assert state is not None
+        if known:  # the run's row says cancelled now, not at its next call
+            self.recorder.run(run_snapshot(state))
         return _json({**run_json(state, time.time()), "aborted_in_flight": aborted, "known": known})
 
     async def admin_sql(self, request: web.Request) -> web.StreamResponse:
