@@ -323,7 +323,8 @@ def render_table(
         # times fold into unreadable stubs; a long line can be scrolled (`less -S`).
         widths = [max([len(columns[i])] + [len(r[j]) for r in cells]) for j, i in enumerate(picked)]
         natural = sum(widths) + 3 * len(widths) + 2
-        console = Console(width=min(max(natural, len(title or "")), 1000), highlight=False)
+        # (at least 40: an empty result's few columns once made "(no rows)" fold to "(n", "o ", ...)
+        console = Console(width=min(max(natural, len(title or ""), 40), 1000), highlight=False)
     table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
     for i in picked:
         numeric = bool(rows) and all(

@@ -69,3 +69,12 @@ def test_closed_pipe_is_quiet(monkeypatch, capsys) -> None:  # type: ignore[no-u
 
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["query"]) == 0  # lists the query files: writes, and the pipe is closed
+
+
+def test_an_empty_result_reads_as_one_line(capsys) -> None:  # type: ignore[no-untyped-def]
+    from proxy.readcli import render_table
+
+    for columns in ([], ["a"], ["run_id", "status"]):
+        render_table(columns, [])
+        out = capsys.readouterr().out
+        assert "(no rows)" in out.splitlines(), out
