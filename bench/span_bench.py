@@ -14,9 +14,11 @@
    a shared two-core machine one pair can be off by ±20 %.
    After the load: the RSS and threads of the proxy and of the shipper (embedded chdb), and the
    shipper's RSS with a ClickHouse server (the HTTP fixture) instead.
+3. With `--baseline DIR` (another checkout, e.g. the revision before the WAL): both trees' proxies,
+   tracing on and off, side by side in the same rounds, closed loop c=64.
 
     .venv/bin/python -m bench.span_bench [--spans 200000] [--duration 10] [--rounds 3] [--skip-proxy]
-                                         [--skip-ingest] [--json out.json]
+                                         [--skip-ingest] [--json out.json] [--baseline DIR]
 
 Every run is bounded in time (each load `--duration` seconds; ingestion gives up after 300 s).
 """
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import run_subprocess
-from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, free_port, start, stop_all, summarize
+from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, free_port, start, stop_all, summarize, wait_port
 from proxy.spans.clickhouse import open_span_store
 from proxy.spans.control import ShipperClient, ShipperUnavailable
 from proxy.spans.model import RunSnapshot, Span
@@ -299,6 +301,72 @@ def bench_server_shipper(duration: float, tmp: Path, up_port: int) -> dict[str, 
         fixture.wait(20)
 
 
+def bench_baseline(duration: float, tmp: Path, rounds: int, baseline: Path) -> dict[str, Any]:
+    """This tree against another checkout of runcap (`--baseline DIR`, e.g. `git archive REV | tar
+    -x -C DIR`), tracing on and off, closed loop c=64 without run headers, interleaved rounds."""
+    up_port = free_port()
+    procs = [
+        start(
+            [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{up_port}"],
+            up_port, "upstream", tmp / "upstream-ab.log",
+        )
+    ]  # fmt: skip
+    servers: dict[str, tuple[int, int]] = {}
+    try:
+        for tree, root in (("baseline", baseline), ("this tree", ROOT)):
+            for tracing in (True, False):
+                key = f"{tree}, tracing {'on' if tracing else 'off'}"
+                port = free_port()
+                slug = f"{'base' if tree == 'baseline' else 'this'}-{tracing}"
+                cfg = tmp / f"ab-{slug}.toml"
+                cfg.write_text(
+                    f"log_requests = false\ntracing = {'true' if tracing else 'false'}\n"
+                    f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+                )
+                argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--listen"]
+                argv += [f"127.0.0.1:{port}", "--data-dir", str(tmp / f"ab-data-{slug}")]
+                proc = subprocess.Popen(
+                    argv, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                    stdout=subprocess.DEVNULL, stderr=open(tmp / f"ab-{slug}.log", "ab"),
+                )  # fmt: skip
+                procs.append(proc)
+                wait_port(port, proc, key)
+                servers[key] = (port, proc.pid)
+        for port, _ in servers.values():
+            run_subprocess(
+                f"http://127.0.0.1:{port}/v1/chat/completions", BODY, {}, concurrency=8, duration_s=1.0
+            )
+        samples: dict[str, list[tuple[float, float]]] = {key: [] for key in servers}
+        order = list(servers)
+        for round_ in range(rounds):
+            for key in order if round_ % 2 == 0 else order[::-1]:
+                port, pid = servers[key]
+                time.sleep(2.0)  # the traced servers' background work of the run before settles
+                cpu0 = cpu_s(pid)
+                r = run_subprocess(f"http://127.0.0.1:{port}/v1/chat/completions", BODY, {}, concurrency=64,
+                                   duration_s=duration)  # fmt: skip
+                samples[key].append((r.achieved_rate, (cpu_s(pid) - cpu0) * 1000 / max(1, r.count)))
+        out: dict[str, Any] = {
+            "scenario": f"closed c=64, no run headers: this tree vs {baseline}",
+            "rounds": rounds,
+        }
+        for key, xs in samples.items():
+            out[key] = {
+                "rate": round(statistics.median(x[0] for x in xs), 1),
+                "proxy_cpu_ms_per_req": round(statistics.median(x[1] for x in xs), 3),
+                "rates": [round(x[0]) for x in xs],
+                **memory(servers[key][1]),
+            }
+        for tree in ("baseline", "this tree"):
+            out[f"{tree}: throughput ratio on/off"] = round(
+                out[f"{tree}, tracing on"]["rate"] / out[f"{tree}, tracing off"]["rate"], 3
+            )
+        print(json.dumps(out), flush=True)
+        return out
+    finally:
+        stop_all(procs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spans", type=int, default=200_000)
@@ -308,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-proxy", action="store_true")
     ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--baseline", type=Path, help="also compare with this checkout of runcap (side by side)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="runcap-span-bench-"))
     results: list[dict[str, Any]] = []
@@ -317,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
     if not args.skip_proxy:
         results += bench_proxy(args.duration, tmp, args.rounds)
+    if args.baseline is not None:
+        results.append(bench_baseline(args.duration, tmp, args.rounds, args.baseline.resolve()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -10,8 +10,8 @@ One code path, two backends, both through clickhouse-connect:
   (`interface="chdb"`, clickhouse-connect >= 1.x), which runs the same insert/query code over an
   in-process engine.
 
-The shipper's batches go in as the WAL holds them, JSON lines (`write_jsonl`, `FORMAT
-JSONEachRow`: ClickHouse parses them, no Python per value); `write` takes record objects in
+The shipper's batches go in as the WAL holds them, JSON lines of values (`write_jsonl`, `FORMAT
+JSONCompactEachRow`: ClickHouse parses them, no Python per value); `write` takes record objects in
 column-oriented, typed Native inserts. A retried batch never duplicates rows: each insert carries
 `insert_deduplication_token = <batch_id>:<table>` — the shipper's batch id is made of the batch's
 WAL position, `{segment}:{first offset}:{last offset}` — and the tables keep a deduplication
@@ -45,6 +45,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalErr
 from proxy.config import redact_url
 from proxy.spans.migrate import apply_migrations
 from proxy.spans.model import RunSnapshot, Span
+from proxy.spans.records import RUN_FIELDS, SPAN_FIELDS
 from proxy.spans.sink import SinkError
 from proxy.spans.sqlguard import QueryRefused, check_read_query
 
@@ -175,32 +176,34 @@ class ClickHouseSink:
                 raise SinkError(f"clickhouse ({self.location}): batch {batch_id} not written: {ex}") from ex
 
     def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
-        """Insert one batch given as JSON lines (`JSONEachRow`, keys = column names), as the WAL
-        holds them (proxy/spans/records.py): ClickHouse parses them, no Python per value. The
-        same per-table deduplication tokens as `write`."""
+        """Insert one batch given as JSON lines of values (`JSONCompactEachRow`, in the order of
+        records.SPAN_FIELDS / RUN_FIELDS), as the WAL holds them (proxy/spans/records.py):
+        ClickHouse parses them, no Python per value. The same per-table deduplication tokens as
+        `write`."""
         if not batch_id:
             raise SinkError("clickhouse: a batch needs a non-empty batch_id (it is the deduplication token)")
         with self._write_lock:
             if self._closed:
                 raise SinkError(f"clickhouse sink for {self.location} is closed")
             try:
-                for table, data in ((self._spans, spans), (self._runs, runs)):
+                for table, columns, data in (
+                    (self._spans, SPAN_FIELDS, spans),
+                    (self._runs, RUN_FIELDS, runs),
+                ):
                     if data:
                         self._writer.raw_insert(
                             table.qualified,
-                            table.column_names,
+                            columns,
                             data,
                             settings={
                                 "insert_deduplication_token": f"{batch_id}:{table.name}",
                                 **self._dedup_settings,
-                                # RFC 3339 times with a zone (`...Z`); fields of a newer runcap
-                                # that this schema does not have yet are skipped
+                                # RFC 3339 times with a zone (`...Z`)
                                 "date_time_input_format": "best_effort",
-                                "input_format_skip_unknown_fields": 1,
                                 # a batch of a few MB is parsed by several threads, not one
                                 "min_chunk_bytes_for_parallel_parsing": 1 << 20,
                             },
-                            fmt="JSONEachRow",
+                            fmt="JSONCompactEachRow",
                         )
             except Exception as ex:
                 raise SinkError(f"clickhouse ({self.location}): batch {batch_id} not written: {ex}") from ex

@@ -43,7 +43,14 @@ import orjson
 from proxy.spans.control import ControlServer
 from proxy.spans.cursors import CursorFile, Pending
 from proxy.spans.model import Payload, RunSnapshot, Span
-from proxy.spans.records import RecordError, StepRecord, json_lines, run_from_json
+from proxy.spans.records import (
+    RUN_ID_INDEX,
+    RUN_UPDATED_AT_INDEX,
+    RecordError,
+    StepRecord,
+    json_lines,
+    run_from_json,
+)
 from proxy.spans.sink import PayloadStore, SinkError, SpanSink
 from proxy.spans.wal import HEADER_SIZE, MAGIC, Frame, read_frames, segment_sealed, segments
 
@@ -106,18 +113,34 @@ class WalBatch:
             if not record.n_runs:
                 continue
             for line in json_lines(record.runs_jsonl):
-                data = orjson.loads(line)
-                updated = datetime.fromisoformat(data["updated_at"])
-                seen = newest.get(data["run_id"])
+                values = orjson.loads(line)
+                run_id, updated = values[RUN_ID_INDEX], datetime.fromisoformat(values[RUN_UPDATED_AT_INDEX])
+                seen = newest.get(run_id)
                 if seen is None or updated >= seen[0]:
-                    newest[data["run_id"]] = (updated, line)
+                    newest[run_id] = (updated, line)
         return b"".join(line + b"\n" for _, line in newest.values())
 
     def spans(self) -> list[Span]:
-        return [s for r in self.records for s in r.spans()]
+        out: list[Span] = []
+        for record in self.records:
+            try:
+                out += record.spans()
+            except (RecordError, ValueError, TypeError) as exc:  # never shippable: skipped
+                log.error(
+                    "WAL segment %s: skipping the spans of a record that do not decode: %s", self.segment, exc
+                )
+        return out
 
     def runs(self) -> list[RunSnapshot]:
-        return [run_from_json(line) for line in json_lines(self.runs_jsonl())]
+        out: list[RunSnapshot] = []
+        for line in json_lines(self.runs_jsonl()):
+            try:
+                out.append(run_from_json(line))
+            except (RecordError, ValueError, TypeError) as exc:
+                log.error(
+                    "WAL segment %s: skipping a run snapshot that does not decode: %s", self.segment, exc
+                )
+        return out
 
     def payloads(self) -> list[Payload]:
         return [p for r in self.records for p in r.payloads()]
