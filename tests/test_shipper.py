@@ -69,7 +69,7 @@ class ListSink:
             return [r for _, runs in self.rows.values() for r in runs]
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:  # generous: 2 cores
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

@@ -77,9 +77,11 @@ async def test_s3_down_payloads_wait_in_the_wal_then_delivered(runcap_factory, u
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint_url)
     s3.start()
-    s3.client().create_bucket(Bucket="payloads")
+    # Moto's state lives in this test process, shared by every moto server it started: a bucket
+    # of this test's own, so no other test's bodies are in it.
+    s3.client().create_bucket(Bucket="payloads-s3-down")
     s3.stop()  # down for the run
-    rc = await runcap_factory({"tracing": True, "s3_url": "s3://payloads/runcap/"})
+    rc = await runcap_factory({"tracing": True, "s3_url": "s3://payloads-s3-down/runcap/"})
     try:
         await chat_run(rc, upstream, "s3-down", stream=False)
         rows = await wait_rows(
@@ -97,7 +99,7 @@ async def test_s3_down_payloads_wait_in_the_wal_then_delivered(runcap_factory, u
         deadline = time.monotonic() + 20
         keys: set[str] = set()
         while time.monotonic() < deadline and len(keys) < 4:
-            listed = client.list_objects_v2(Bucket="payloads", Prefix="runcap/sha256/")
+            listed = client.list_objects_v2(Bucket="payloads-s3-down", Prefix="runcap/sha256/")
             keys = {o["Key"] for o in listed.get("Contents", [])}
             await asyncio.sleep(0.2)
         assert keys == {f"runcap/sha256/{h[:2]}/{h}" for h in hashes}
