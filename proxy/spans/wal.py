@@ -15,7 +15,7 @@ Writer (one per process; not thread-safe — the event loop is its only caller):
   returns, so killing runcap loses nothing; a background thread `fdatasync`s the segment every
   `fsync_interval_s` (an OS crash loses at most that), or every append with `fsync="always"`;
 * a process takes the lowest free writer slot (`.w{N}.lock`, flock) and names its segments
-  `{creation time ns}-w{N}.wal`: names never repeat, so a sink's saved position can never be
+  `{creation time ns}-{random}-w{N}.wal`: names never repeat, so a sink's saved position can never be
   applied to a different file. The active segment is flock'ed by its writer: unlocked means
   sealed (rolled at `segment_bytes`, or its writer died) and nothing will be appended any more;
 * a failed append (ENOSPC, a short write) is cut back with `ftruncate` to the last good offset —
@@ -40,6 +40,7 @@ import fcntl
 import itertools
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -425,7 +426,9 @@ class WalWriter:
     def _create_segment(self) -> tuple[int, str]:
         stamp = time.time_ns()
         while True:
-            name = f"{stamp:020d}-w{self.slot}{SEGMENT_SUFFIX}"
+            # A random part too: the name is in ClickHouse's deduplication token, and replicas
+            # on other hosts writing to one ClickHouse must never produce the same token.
+            name = f"{stamp:020d}-{secrets.token_hex(4)}-w{self.slot}{SEGMENT_SUFFIX}"
             try:
                 fd = os.open(
                     self.directory / name,
