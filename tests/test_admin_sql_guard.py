@@ -500,20 +500,25 @@ async def test_every_dashboard_query_passes(target: Target) -> None:
     tests/test_dashboards.py uses for panel shapes."""
     end = datetime.now(UTC)
     time_range = TimeRange(end - timedelta(hours=6), end)
+    # The guard decides on ClickHouse's own canonical form and AST, which the embedded engine and
+    # a server produce alike: the full matrix (both variable selections, the DESCRIBE wrapping)
+    # runs on chdb; a server answers each panel once, as Grafana sends it — a server round trip
+    # per guard step makes the full matrix the slowest test of the suite for nothing new.
+    full = target.backend == "chdb"
     count = 0
     for path in sorted((REPO / "dashboards").glob("*.json")):
         board = json.loads(path.read_text())
         names = [v["name"] for v in board["templating"]["list"]]
         sqls = [v["query"]["rawSql"] for v in board["templating"]["list"]]
         sqls += [t["rawSql"] for p in board["panels"] for t in p["targets"]]
-        for selection in ([], ["it's", "b"]):
+        for selection in ([], ["it's", "b"]) if full else (["it's", "b"],):
             variables = {n: Variable(n, ["it's", "b"], selection or ["$__all"]) for n in names}
             for raw in sqls:
                 sql = Expander(time_range, variables).expand(raw)
-                for statement in (sql, f"DESCRIBE TABLE (\n{sql}\n)"):
+                for statement in (sql, f"DESCRIBE TABLE (\n{sql}\n)") if full else (sql,):
                     await asyncio.to_thread(target.store.query, statement)
                     count += 1
-    assert count > 50
+    assert count > (50 if full else 20)
 
 
 # -- the allow-list against the engine -----------------------------------------------------------
