@@ -94,7 +94,7 @@ from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
-from proxy.server.toolcalls import ToolCall, ToolCallLedger, record_tool_call, remaining_time
+from proxy.server.toolcalls import ToolCall, ToolCallLedger, ToolClient, record_tool_call, remaining_time
 from proxy.server.tools import ToolResponseTooLarge, read_bounded, tool_run_headers
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 from proxy.spans.recorder import NullRecorder, SpanRecorder
@@ -142,6 +142,7 @@ class MCPGateway:
         ledger: Ledger,
         flights: Flights,
         metrics: Metrics,
+        client: ToolClient,
         recorder: SpanRecorder | None = None,
         clients: ClientAuth | None = None,
     ) -> None:
@@ -153,26 +154,17 @@ class MCPGateway:
         self.clients = clients or ClientAuth({})
         self.calls = ToolCallLedger(ledger, metrics)
         self.catalog = ToolCatalog()
-        self.session: aiohttp.ClientSession | None = None
+        self.client = client
         self._notices: set[asyncio.Task[None]] = set()  # notifications/cancelled being sent
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_route("*", "/mcp/{name}", self.handle)
-        app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
 
-    async def _start(self, app: web.Application) -> None:
-        # Its own pool: MCP servers are other hosts than the model providers.
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-        )
-
     async def _stop(self, app: web.Application) -> None:
+        # Before the tool client closes (toolcalls.ToolClient): the notices go through it.
         if self._notices:
             await asyncio.wait(self._notices, timeout=CANCEL_NOTICE_TIMEOUT_S)
-        if self.session is not None:
-            await self.session.close()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
@@ -282,7 +274,7 @@ class MCPGateway:
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
         watch = self._tools_list_watch(server) if method == "tools/list" else None
         task = asyncio.current_task()
-        assert task is not None and self.session is not None
+        assert task is not None
         relayed = Relayed()
         upstream: aiohttp.ClientResponse | None = None
         try:
@@ -298,7 +290,7 @@ class MCPGateway:
                 self.flights.add(run.run_id, task, relayed)
             try:
                 async with asyncio.timeout(timeout):
-                    upstream = await self.session.post(target.url, data=body, headers=headers)
+                    upstream = await self.client.session.post(target.url, data=body, headers=headers)
                     end = await self._answer(upstream, reply, answer_headers, watch, rid)
                     if rid is not None:
                         upstream, end = await self._resume(target, headers, reply, watch, rid, upstream, end)
@@ -441,7 +433,6 @@ class MCPGateway:
     ) -> tuple[aiohttp.ClientResponse, StreamEnd]:
         """A resumable stream that ended before the answer (SSE polling, 2025-11-25): GET it again
         from its last event id, as a client would — the agent sees one stream."""
-        assert self.session is not None
         for _ in range(MAX_RESUMES):
             if end.answered or end.last_event_id is None:
                 break
@@ -451,7 +442,7 @@ class MCPGateway:
             again.popall("Content-Type", None)
             again["Accept"] = EVENT_STREAM
             again["Last-Event-ID"] = end.last_event_id
-            upstream = await self.session.get(target.url, headers=again, allow_redirects=False)
+            upstream = await self.client.session.get(target.url, headers=again, allow_redirects=False)
             ctype = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
             if upstream.status != 200 or ctype != EVENT_STREAM:
                 break
@@ -493,7 +484,6 @@ class MCPGateway:
         rid: Any,
         reason: str,
     ) -> None:
-        assert self.session is not None
         notice = {
             "jsonrpc": "2.0",
             "method": "notifications/cancelled",
@@ -506,7 +496,7 @@ class MCPGateway:
             out["Mcp-Method"] = "notifications/cancelled"
         try:
             async with asyncio.timeout(CANCEL_NOTICE_TIMEOUT_S):
-                async with self.session.post(target.url, data=dumps(notice), headers=out) as answer:
+                async with self.client.session.post(target.url, data=dumps(notice), headers=out) as answer:
                     await answer.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning(
@@ -709,7 +699,6 @@ class MCPGateway:
         call: ToolCall,
         state: RunState,
     ) -> None:
-        assert self.session is not None
         rid, name, label = message["id"], call.tool, f"mcp:{server.name}"
         tool = server.tools.get(name)
         timeout_s = tool.timeout_s if tool is not None and tool.timeout_s is not None else server.timeout_s
@@ -745,7 +734,7 @@ class MCPGateway:
         try:
             try:
                 async with asyncio.timeout(timeout) as clock:
-                    upstream = await self.session.post(target.url, data=body, headers=headers)
+                    upstream = await self.client.session.post(target.url, data=body, headers=headers)
                     end = await self._answer(upstream, reply, self._answer_headers(run, call), watch, rid)
                     upstream, end = await self._resume(target, headers, reply, watch, rid, upstream, end)
             except TimeoutError:
@@ -859,7 +848,6 @@ class MCPGateway:
         """Learn the server's tools before a call to one runcap has not seen listed: a
         `tools/list` of runcap's own, in the agent's session (best effort; what stays unknown is
         side-effecting)."""
-        assert self.session is not None
         out = CIMultiDict(headers)
         for h in ("Mcp-Name", "Idempotency-Key", "Last-Event-ID"):
             out.popall(h, None)
@@ -880,7 +868,7 @@ class MCPGateway:
             collected = BatchReply()
             try:
                 async with asyncio.timeout(LISTING_TIMEOUT_S):
-                    upstream = await self.session.post(target.url, data=dumps(request), headers=out)
+                    upstream = await self.client.session.post(target.url, data=dumps(request), headers=out)
                     try:
                         await self._answer(upstream, collected, {}, None, rid)
                     finally:
@@ -909,7 +897,6 @@ class MCPGateway:
     ) -> web.StreamResponse:
         """Relayed byte for byte (server → client requests and notifications, resumptions with
         `Last-Event-ID`); a run's GET stream ends at its deadline or cancel."""
-        assert self.session is not None
         task = asyncio.current_task()
         assert task is not None
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
@@ -931,7 +918,7 @@ class MCPGateway:
         out: web.StreamResponse | None = None
         try:
             async with asyncio.timeout(timeout):
-                upstream = await self.session.request(
+                upstream = await self.client.session.request(
                     request.method, target.url, headers=headers, allow_redirects=False
                 )
                 out = web.StreamResponse(status=upstream.status, headers=response_headers(upstream.headers))

@@ -40,6 +40,7 @@ from proxy.server.metrics import Metrics, MetricsStep
 from proxy.server.ops import OpsRoutes
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
+from proxy.server.toolcalls import ToolClient
 from proxy.server.tools import ToolGateway
 from proxy.server.topup import RunCapsAdmin
 from proxy.server.trace import TraceStep
@@ -117,8 +118,11 @@ def build_app(
     clients = ClientAuth(config.client_tokens)
     OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
-    ToolGateway(config, ledger, rt.flights, metrics, rt.recorder, clients).add_to(app)
-    MCPGateway(config, ledger, rt.flights, metrics, rt.recorder, clients).add_to(app)  # /mcp/{name}
+    tool_client = ToolClient()
+    ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients).add_to(app)
+    # /mcp/{name}
+    MCPGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients).add_to(app)
+    tool_client.add_to(app)  # after the gateways: closed after their clean-up
     IdempotencyAdmin(ledger, guard).add_to(app)
     RunCapsAdmin(ledger, guard, config.caps, rt.recorder).add_to(app)
     CancelPropagation(ledger, rt.flights).add_to(app)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TypeVar
 
+import aiohttp
+from aiohttp import web
+
 from proxy.caps import RunRequest
 from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, ToolTimeout
 from proxy.ledger.base import Ledger, RunState, ToolCallRequest, ToolCallStart
@@ -26,6 +29,36 @@ log = logging.getLogger("runcap.tools")
 
 _T = TypeVar("_T")
 _OUTCOME = {DeadlineExceeded: "deadline_exceeded", RunCancelled: "cancelled", ToolTimeout: "timeout"}
+
+
+class ToolClient:
+    """The connection pool to tool services and MCP servers, shared by `/tools` and `/mcp`: those
+    are other hosts than the model providers, so a pool of their own. Opened at start-up; closed
+    at clean-up after the gateways' own (an MCP gateway still sends `notifications/cancelled`
+    through it), so `add_to` comes after theirs."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    def add_to(self, app: web.Application) -> None:
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)  # aiohttp runs clean-up handlers in this order
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the tool client is used before the application started")
+        return self._session
+
+    async def _start(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
 
 
 @dataclass(slots=True, eq=False)

@@ -54,7 +54,7 @@ from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
-from proxy.server.toolcalls import ToolCall, ToolCallLedger, record_tool_call, remaining_time
+from proxy.server.toolcalls import ToolCall, ToolCallLedger, ToolClient, record_tool_call, remaining_time
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 from proxy.spans.recorder import NullRecorder, SpanRecorder
 
@@ -129,6 +129,7 @@ class ToolGateway:
         ledger: Ledger,
         flights: Flights,
         metrics: Metrics,
+        client: ToolClient,
         recorder: SpanRecorder | None = None,
         clients: ClientAuth | None = None,
     ) -> None:
@@ -138,25 +139,12 @@ class ToolGateway:
         self.flights = flights
         self.metrics = metrics
         self.recorder: SpanRecorder = recorder or NullRecorder()
-        self.session: aiohttp.ClientSession | None = None
+        self.client = client
         self.calls = ToolCallLedger(ledger, metrics)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_route("*", "/tools/{name}", self.handle)
         app.router.add_route("*", "/tools/{name}/{tail:.*}", self.handle)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-
-    async def _start(self, app: web.Application) -> None:
-        # Its own pool: tool services are other hosts than the model providers.
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-        )
-
-    async def _stop(self, app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
 
     # -- the call -------------------------------------------------------------------------------
 
@@ -280,7 +268,7 @@ class ToolGateway:
         state: RunState,
     ) -> web.StreamResponse:
         run = call.run
-        assert run is not None and self.session is not None
+        assert run is not None
         now = time.time()
         deadline = state.caps.deadline
         remaining = None if deadline is None else max(0.0, deadline - now)
@@ -300,7 +288,7 @@ class ToolGateway:
         try:
             try:
                 async with asyncio.timeout(timeout):
-                    upstream = await self.session.request(
+                    upstream = await self.client.session.request(
                         request.method, target.url, headers=headers, data=body, allow_redirects=False
                     )
                     data = await read_bounded(upstream, self.config.tool_max_response_bytes)
