@@ -104,3 +104,44 @@ async def test_two_workers_share_port_ledger_and_span_store(upstream, tmp_path, 
     assert len(re.findall(r'"event": "shipper started"', log)) == 1  # one shipper for both
     slots = sorted(p.name for p in (tmp_path / "data" / "wal").glob(".w*.lock"))
     assert slots == [".w0.lock", ".w1.lock"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+async def test_kill9_of_serve_leaves_no_worker_or_shipper_behind(upstream, tmp_path):  # type: ignore[no-untyped-def]
+    """After `kill -9` of `serve`, its workers drain and exit and its shipper dies: nothing keeps
+    the port, the WAL slots or chdb's lock, and the next `serve` on the same port and data
+    directory starts."""
+    config = tmp_path / "runcap.toml"
+    config.write_text(f'log_requests = false\nworkers = 2\n[upstreams.openai]\nurl = "{upstream.url}"\n')
+    proc = RuncapProcess(config, tmp_path / "data")
+    proc.start()
+    log_path = tmp_path / "runcap.log"
+    workers: set[int] = set()
+    for _ in range(300):
+        workers = {int(p) for p in re.findall(r'"event": "listening".*?"pid": (\d+)', log_path.read_text())}
+        if len(workers) == 2 and (tmp_path / "data" / "shipper.pid").exists():
+            break
+        await asyncio.sleep(0.1)
+    assert len(workers) == 2, log_path.read_text()[-2000:]
+    shipper = int((tmp_path / "data" / "shipper.pid").read_text())
+    proc.kill9()
+    for _ in range(200):
+        if not any(_alive(p) for p in (*workers, shipper)):
+            break
+        await asyncio.sleep(0.1)
+    assert not [p for p in (*workers, shipper) if _alive(p)], log_path.read_text()[-2000:]
+    again = RuncapProcess(config, tmp_path / "data")
+    again.port, again.url = proc.port, proc.url  # the same port: nothing holds it any more
+    again.start()
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{again.url}/v1", api_key="k", max_retries=0) as c:
+            await c.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}])
+    finally:
+        again.stop()

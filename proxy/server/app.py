@@ -47,7 +47,7 @@ from proxy.server.trace import TraceStep
 from proxy.server.upstream_url import UnsafePath, decode_segment, remaining_segments
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
-from proxy.spans.supervisor import ShipperSupervisor
+from proxy.spans.supervisor import ShipperSupervisor, die_with_parent
 
 log = logging.getLogger("runcap.server")
 
@@ -273,7 +273,9 @@ def _serve_workers(config: Config) -> None:
         _serve_one(config, reuse_port=False, worker=None)
         return
     procs = [
-        multiprocessing.get_context("spawn").Process(target=_serve_one, args=(config, True, i), daemon=False)
+        multiprocessing.get_context("spawn").Process(
+            target=_serve_one, args=(config, True, i, os.getpid()), daemon=False
+        )
         for i in range(config.workers)
     ]
     for p in procs:
@@ -291,7 +293,10 @@ def _serve_workers(config: Config) -> None:
         p.join()
 
 
-def _serve_one(config: Config, reuse_port: bool, worker: int | None) -> None:
+def _serve_one(config: Config, reuse_port: bool, worker: int | None, parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        # A worker drains and exits when `serve` dies, even by `kill -9`: no orphan keeps the port.
+        die_with_parent(parent_pid, signal.SIGTERM)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _install_uvloop()
     # Each worker appends to WAL segments of its own; the shipper `serve` supervises ships them.

@@ -29,10 +29,12 @@ PID_FILE = "shipper.pid"
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send this process `sig` when its parent dies (Linux `PR_SET_PDEATHSIG`), so
+    a `kill -9` of `serve` leaves no orphan holding the port, the WAL or the store's lock."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the parent check below still applies
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -41,7 +43,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_timeout_s: float) -> None:
     """The shipper process: ship until SIGTERM/SIGINT, then drain (bounded) and exit."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # The lanes log a store's failures themselves, rate-limited, with the cause; the clients'
     # own line per failed attempt would repeat it every retry.
