@@ -125,6 +125,17 @@ class Relayed:
     cut_reason: str | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class Exchange:
+    """One POST of the agent to an MCP server: where its messages go, for which run, with which
+    headers (a batch's messages share it)."""
+
+    server: MCPServerConfig
+    target: UpstreamTarget
+    run: RunRequest
+    headers: CIMultiDict[str]  # to the server
+
+
 @dataclass(slots=True)
 class StreamEnd:
     answered: bool  # the response to the request was seen
@@ -189,7 +200,7 @@ class MCPGateway:
             return http_refusal(rej)
         headers = self._server_headers(request, server, run)
         if request.method == "POST":
-            return await self._post(request, server, target, run, headers)
+            return await self._post(request, Exchange(server, target, run, headers))
         if request.method in ("GET", "DELETE"):
             return await self._stream(request, server, target, run, headers)
         return web.Response(status=405, headers={"Allow": "GET, POST, DELETE"})
@@ -209,14 +220,7 @@ class MCPGateway:
 
     # -- POST: JSON-RPC messages --------------------------------------------------------------
 
-    async def _post(
-        self,
-        request: web.Request,
-        server: MCPServerConfig,
-        target: UpstreamTarget,
-        run: RunRequest,
-        headers: CIMultiDict[str],
-    ) -> web.StreamResponse:
+    async def _post(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -233,42 +237,37 @@ class MCPGateway:
             return web.Response(status=400, body=dumps(message), headers={"Content-Type": JSON})
         if not batch:
             reply = LiveReply(request)
-            await self._message(server, target, run, messages[0], body, headers, reply)
+            await self._message(ex, messages[0], body, reply)
             return await reply.response()
         collected = BatchReply()
         for message in messages:
-            await self._message(server, target, run, message, dumps(message), headers, collected)
-        out = {**collected.headers, "X-Run-Id": run.run_id}
+            await self._message(ex, message, dumps(message), collected)
+        out = {**collected.headers, "X-Run-Id": ex.run.run_id}
         if not collected.messages:
             return web.Response(status=202, headers=out)
         return web.Response(body=dumps(collected.messages), headers={**out, "Content-Type": JSON})
 
     async def _message(
         self,
-        server: MCPServerConfig,
-        target: UpstreamTarget,
-        run: RunRequest,
+        ex: Exchange,
         message: dict[str, Any],
         body: bytes,
-        headers: CIMultiDict[str],
         reply: Reply,
     ) -> None:
         if message.get("method") == "tools/call" and is_request(message):
-            await self._tools_call(server, target, run, message, body, headers, reply)
+            await self._tools_call(ex, message, body, reply)
         else:
-            await self._relay(server, target, run, message, body, headers, reply)
+            await self._relay(ex, message, body, reply)
 
     async def _relay(
         self,
-        server: MCPServerConfig,
-        target: UpstreamTarget,
-        run: RunRequest,
+        ex: Exchange,
         message: dict[str, Any],
         body: bytes,
-        headers: CIMultiDict[str],
         reply: Reply,
     ) -> None:
         """Anything but `tools/call`, unchanged — within the run's deadline and cancel."""
+        server, target, run, headers = ex.server, ex.target, ex.run, ex.headers
         method = message.get("method")
         rid = message.get("id") if is_request(message) else None
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
@@ -510,14 +509,12 @@ class MCPGateway:
 
     async def _tools_call(
         self,
-        server: MCPServerConfig,
-        target: UpstreamTarget,
-        run: RunRequest,
+        ex: Exchange,
         message: dict[str, Any],
         body: bytes,
-        headers: CIMultiDict[str],
         reply: Reply,
     ) -> None:
+        server, run, headers = ex.server, ex.run, ex.headers
         rid = message["id"]
         params = message.get("params") if isinstance(message.get("params"), dict) else {}
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
@@ -537,7 +534,7 @@ class MCPGateway:
         call.tool_call_id = given if isinstance(given, str) else str(rid)
         label = f"mcp:{server.name}"
         try:
-            await self._call(server, target, run, message, params, meta, body, headers, reply, call)
+            await self._call(ex, message, params, meta, body, reply, call)
         except Rejection as rej:
             call.refused(rej)
             self.metrics.rejections.labels(rej.code or rej.type).inc()
@@ -555,17 +552,15 @@ class MCPGateway:
 
     async def _call(
         self,
-        server: MCPServerConfig,
-        target: UpstreamTarget,
-        run: RunRequest,
+        ex: Exchange,
         message: dict[str, Any],
         params: dict[str, Any],
         meta: dict[str, Any],
         body: bytes,
-        headers: CIMultiDict[str],
         reply: Reply,
         call: ToolCall,
     ) -> None:
+        server, target, run, headers = ex.server, ex.target, ex.run, ex.headers
         name = call.tool
         if not name:
             raise InvalidRequest("tools/call: params.name must be the name of a tool", param="params.name")
@@ -627,7 +622,7 @@ class MCPGateway:
                     await self.calls.release(run.run_id, call.key)  # never executed: not counted
                     raise
             try:
-                await self._execute(server, target, run, message, body, headers, reply, call, start.state)
+                await self._execute(ex, message, body, reply, call, start.state)
             except (Rejection, asyncio.CancelledError):
                 raise
             except Exception:
@@ -689,16 +684,14 @@ class MCPGateway:
 
     async def _execute(
         self,
-        server: MCPServerConfig,
-        target: UpstreamTarget,
-        run: RunRequest,
+        ex: Exchange,
         message: dict[str, Any],
         body: bytes,
-        headers: CIMultiDict[str],
         reply: Reply,
         call: ToolCall,
         state: RunState,
     ) -> None:
+        server, target, run, headers = ex.server, ex.target, ex.run, ex.headers
         rid, name, label = message["id"], call.tool, f"mcp:{server.name}"
         tool = server.tools.get(name)
         timeout_s = tool.timeout_s if tool is not None and tool.timeout_s is not None else server.timeout_s
