@@ -39,6 +39,7 @@ from proxy.spans.control import ShipperClient, ShipperUnavailable
 from proxy.spans.payloads import LocalPayloadStore
 from tests.conftest import REPO, RuncapProcess
 from tests.support.s3 import CREDENTIALS, S3Server
+from tests.support.tmpfs import small_tmpfs
 from tests.test_spans import ClickHouseProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -415,20 +416,6 @@ async def test_wal_cap_with_a_sink_down_drops_bodies_first_never_spans(upstream,
 # --- disk full ------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 async def test_disk_full_under_load_then_the_sinks_drain_by_themselves(upstream, tmp_path, s3):  # type: ignore[no-untyped-def]
@@ -438,7 +425,7 @@ async def test_disk_full_under_load_then_the_sinks_drain_by_themselves(upstream,
         tmp_path / "runcap.toml", upstream.url,
         f'clickhouse_url = "{ch.url}"\ns3_url = "s3://payloads/runcap/"\nwal_segment_bytes = {512 << 10}',
     )  # fmt: skip
-    with tmpfs(tmp_path / "data", "24m") as data:
+    with small_tmpfs(tmp_path / "data", "24m") as data:
         proc = RuncapProcess(config, data)
         proc.start()
         try:

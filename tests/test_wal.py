@@ -5,7 +5,6 @@ then records — counted), the cursor file's in-place slots, and a writer killed
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import signal
@@ -13,18 +12,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
-
-import pytest
 
 from proxy.spans.cursors import CursorFile, CursorState, Pending
 from proxy.spans.model import Payload, RunSnapshot, Span
 from proxy.spans.records import StepRecord, encode_step
 from proxy.spans.wal import HEADER_SIZE, WalWriter, frame_header, read_frames, segment_sealed, segments
 from tests.conftest import REPO
+from tests.support.tmpfs import small_tmpfs
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -208,20 +205,6 @@ def test_damage_is_skipped_to_the_next_valid_record_and_counted(tmp_path: Path) 
 # --- a failed append, the WAL bound ------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_enospc_cuts_the_append_back_drops_bodies_first_and_nothing_written_is_damaged(
