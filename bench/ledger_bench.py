@@ -4,7 +4,8 @@
    reserve + settle (`begin_step` + `settle`) and idempotency begin + complete
    (`begin_tool_call` + `complete_tool_call`), each on a fresh run — p50/p99 of each operation
    and of the pair. SQLite: a file in a temporary directory; Redis: a redis-server on loopback
-   started here (no persistence — see README for production settings).
+   started here (no persistence — see README for production settings). Then 4N reserve + settle
+   pairs from 64 concurrent callers: pairs/s and CPU per pair.
 2. Tool calls, closed loop: a trivial tool service (bench.loadgen's server) called directly and
    through `runcap serve` (`/tools/echo`, side-effecting, every request a new run and key, so
    each one is recorded in flight, forwarded and completed), with the SQLite and the Redis ledger.
@@ -75,6 +76,33 @@ async def bench_ledger(ledger: Ledger, n: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+async def bench_concurrent(ledger: Ledger, n: int, concurrency: int) -> dict[str, Any]:
+    """`concurrency` callers doing reserve + settle on fresh runs, `n` pairs in all: what a loaded
+    proxy asks of its ledger. Pairs per second and the process's CPU per pair (the SQLite
+    backend runs the operations of one event-loop turn in one transaction)."""
+    caps = RunCaps(max_usd_nanos=10**9, max_steps=100)
+    tag = secrets.token_hex(3)
+    left = iter(range(n))
+    used = Settlement(input_tokens=400, output_tokens=100, cost_usd_nanos=800_000)
+
+    async def caller() -> None:
+        for i in left:
+            now = time.time()
+            req = StepRequest(
+                run_id=f"c{tag}-{i}", task="bench", caps=caps, now=now, model="m", input_tokens_bound=500,
+                client_output_limit=256, model_output_bound=4096, min_output_tokens=16,
+                input_usd_per_mtok=Decimal(1), output_usd_per_mtok=Decimal(4),
+            )  # fmt: skip
+            res = await ledger.begin_step(req)
+            await asyncio.sleep(0)  # the call is forwarded: other callers run meanwhile
+            await ledger.settle(res, used, now)
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    return {"pairs_per_s": round(n / wall), "cpu_us_per_pair": round(cpu * 1e6 / n, 1)}
+
+
 def _ledger_part(n: int, redis_url: str) -> dict[str, Any]:
     from proxy.ledger.redis import RedisLedger
     from proxy.ledger.sqlite import SQLiteLedger
@@ -85,11 +113,13 @@ def _ledger_part(n: int, redis_url: str) -> dict[str, Any]:
         sqlite = SQLiteLedger(Path(tempfile.mkdtemp(prefix="runcap-lbench-")) / "ledger.sqlite3")
         try:
             out["sqlite"] = await bench_ledger(sqlite, n)
+            out["sqlite"]["concurrent c=64 reserve+settle"] = await bench_concurrent(sqlite, 4 * n, 64)
         finally:
             await sqlite.close()
         redis = RedisLedger(redis_url, prefix=f"bench{secrets.token_hex(3)}:")
         try:
             out["redis"] = await bench_ledger(redis, n)
+            out["redis"]["concurrent c=64 reserve+settle"] = await bench_concurrent(redis, 4 * n, 64)
         finally:
             await redis.close()
 
@@ -173,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         ledgers = _ledger_part(args.ops, redis.url)
         for backend, ops in ledgers.items():
             for op, v in ops.items():
+                if "pairs_per_s" in v:
+                    rate, cpu = v["pairs_per_s"], v["cpu_us_per_pair"]
+                    print(f"{backend:<7} {op}: {rate} pairs/s, {cpu} µs CPU/pair", flush=True)
+                    continue
                 print(
                     f"{backend:<7} {op:<22} p50 {v['p50_ms']:>8.4f} ms   p99 {v['p99_ms']:>8.4f} ms",
                     flush=True,

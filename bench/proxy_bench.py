@@ -14,6 +14,15 @@ Every request through runcap carries `X-Run-Max-Usd` (and no run id, so each req
 run): the full reserve → forward → settle path with a ledger write on both sides.
 
     .venv/bin/python -m bench.proxy_bench [--duration 10] [--workers 1] [--json out.json]
+
+With `--baseline DIR` (another checkout of runcap, e.g. `git archive REV | tar -x -C DIR`) it
+compares the two trees instead, side by side in the same minutes: one `runcap serve` of each
+(SQLite ledger; `--tracing on` for the span path too), closed loop c=64 and an open loop at
+`--rates`, once without run headers (nothing to enforce) and once with caps, `--rounds` rounds in
+which the two trees alternate who goes first; per run the proxy process's CPU per request (utime +
+stime from /proc) and the throughput, medians over the rounds.
+
+    .venv/bin/python -m bench.proxy_bench --baseline /tmp/old [--tracing on] [--rounds 3] [--duration 8]
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="20,200", help="open-loop rates (default 20,200)")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--baseline", type=Path, help="compare this tree with that checkout, side by side")
+    ap.add_argument("--tracing", choices=("on", "off"), default="off", help="with --baseline (default off)")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds per scenario (default 3)")
     args = ap.parse_args(argv)
+    if args.baseline is not None:
+        return compare_trees(args)
 
     tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
     up_port, rc_port = free_port(), free_port()
@@ -156,6 +171,88 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     _print_table(results)
+    return 0
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def compare_trees(args: argparse.Namespace) -> int:
+    """This tree versus `args.baseline`, each its own `runcap serve` against one upstream."""
+    tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
+    trees = {"this": ROOT, "baseline": args.baseline.resolve()}
+    up_port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    results: list[dict[str, Any]] = []
+    try:
+        procs.append(
+            start(
+                [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{up_port}"],
+                up_port,
+                "upstream",
+                tmp / "upstream.log",
+            )
+        )
+        urls: dict[str, str] = {}
+        pids: dict[str, int] = {}
+        for name, tree in trees.items():
+            port = free_port()
+            cfg = tmp / f"runcap-{name}.toml"
+            cfg.write_text(
+                f"log_requests = false\ntracing = {'true' if args.tracing == 'on' else 'false'}\n"
+                f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+            )
+            serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
+            serve += ["--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp / f"data-{name}")]
+            proc = subprocess.Popen(
+                serve, cwd=tree, stdout=subprocess.DEVNULL, stderr=open(tmp / f"runcap-{name}.log", "ab")
+            )
+            procs.append(proc)
+            wait_port(port, proc, f"runcap ({name})")
+            urls[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
+            pids[name] = proc.pid
+        for url in urls.values():  # warm up (pools, price book, SQLite pages)
+            run_subprocess(url, BODY, CAP_HEADERS, concurrency=8, duration_s=1.0)
+        loads: list[tuple[str, dict[str, Any]]] = [
+            (f"closed c={args.concurrency}", {"concurrency": args.concurrency})
+        ]
+        loads += [(f"open {float(r):g} req/s", {"rate": float(r)}) for r in args.rates.split(",") if r]
+        for headers_name, headers in (("no run headers", {}), ("capped runs", CAP_HEADERS)):
+            for load_name, kw in loads:
+                samples: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+                for round_ in range(args.rounds):
+                    order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
+                    for name in order:
+                        cpu0 = cpu_s(pids[name])
+                        r = run_subprocess(urls[name], BODY, headers, duration_s=args.duration, **kw)
+                        cpu_ms = (cpu_s(pids[name]) - cpu0) * 1000 / max(1, r.count)
+                        samples[name].append({**summarize(r), "proxy_cpu_ms_per_req": round(cpu_ms, 3)})
+                row: dict[str, Any] = {"scenario": f"{load_name}, {headers_name}", "tracing": args.tracing}
+                for name, runs in samples.items():
+                    row[name] = {
+                        k: round(statistics.median(run[k] for run in runs), 3)
+                        for k in ("rate", "p50_ms", "p99_ms", "proxy_cpu_ms_per_req")
+                    }
+                    row[name]["rounds"] = [(run["rate"], run["proxy_cpu_ms_per_req"]) for run in runs]
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        stop_all(procs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    print()
+    head = f"scenario (tracing {args.tracing})"
+    print(f"{head:<36} {'req/s this/base':>16} {'CPU ms/req this/base':>21}", end=" ")
+    print(f"{'p50 this/base':>14} {'p99 this/base':>14}")
+    for r in results:
+        t, b = r["this"], r["baseline"]
+        print(
+            f"{r['scenario']:<36} {t['rate']:>7.0f}/{b['rate']:<8.0f} {t['proxy_cpu_ms_per_req']:>10.3f}/"
+            f"{b['proxy_cpu_ms_per_req']:<10.3f} {t['p50_ms']:>6.2f}/{b['p50_ms']:<7.2f} "
+            f"{t['p99_ms']:>6.2f}/{b['p99_ms']:<7.2f}"
+        )
     return 0
 
 

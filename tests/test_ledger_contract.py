@@ -5,6 +5,7 @@ their operation, one per (run, key) pair), expiry, upgrades of an older ledger."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import secrets
 import sqlite3
@@ -35,6 +36,9 @@ from proxy.ledger.base import (
     Settlement,
     StepRequest,
     ToolCallRequest,
+    begin_unledgered_step,
+    nothing_to_enforce,
+    settle_unledgered,
 )
 from proxy.ledger.redis import RedisLedger
 from proxy.ledger.sqlite import SQLiteLedger
@@ -586,3 +590,35 @@ async def test_moving_old_redis_records_keeps_a_newer_record(make_ledger, tmp_pa
     assert (await led.get_tool_call("n", "k")).body == b"after the upgrade"
     assert not await led._r.keys(f"{led.prefix}tc:*")
     assert await led._r.get(f"{led.prefix}record-keys") == b"2"
+
+
+async def test_a_call_with_nothing_to_enforce_is_decided_as_the_ledger_would(make_ledger):  # type: ignore[no-untyped-def]
+    """A generated run with no cap is decided and settled in memory (no ledger transaction); the
+    run state that reaches its span and `runcap.runs` is the one the ledger computes for the
+    same call — step, status, counters, reservation released."""
+    led = make_ledger()
+    now = time.time()
+    for settlement, embeddings in (
+        (Settlement(input_tokens=90, output_tokens=10, cost_usd_nanos=110_000, finished=True), False),
+        (Settlement(input_tokens=5, output_tokens=7, cost_usd_nanos=1, tool_calls_requested=2), False),
+        (Settlement(run_status="cancelled"), False),
+        (Settlement(input_tokens=40, cost_usd_nanos=4_000), True),
+    ):
+        run_id = f"run_{secrets.token_hex(12)}"
+        req = step(run_id, RunCaps(), now=now, counts_as_step=not embeddings)
+        assert nothing_to_enforce(True, req.caps)
+        local = begin_unledgered_step(req)
+        ledgered = await led.begin_step(req)
+        assert not local.ledgered and ledgered.ledgered
+        # The same reservation in every field but its id and where it lives.
+        assert dataclasses.replace(local, id=ledgered.id, ledgered=True) == ledgered
+        after = settle_unledgered(local, settlement, now + 1)
+        assert after == await led.settle(ledgered, settlement, now + 1) == await led.get_run(run_id)
+        assert after.reserved_usd_nanos == 0 and after.steps == (0 if embeddings else 1)
+    # Anything to enforce — a cap of any kind, or a run id the agent chose — goes to the ledger.
+    for caps in (
+        RunCaps(max_usd_nanos=USD), RunCaps(max_tokens=1), RunCaps(max_steps=1), RunCaps(max_tool_calls=1),
+        RunCaps(deadline=now + 60), RunCaps(timeout_s=60),
+    ):  # fmt: skip
+        assert not nothing_to_enforce(True, caps)
+    assert not nothing_to_enforce(False, RunCaps())

@@ -85,6 +85,9 @@ class RunState:
     # Caps an operator set (`POST /runs/{id}/caps`), comma-separated RunCaps fields: headers no
     # longer change them — an agent resending its original headers must not undo a top-up.
     operator_caps: str = ""
+    # Input tokens of the run's first answered model step: the baseline of X-Run-Context-Growth
+    # (proxy/server/context.py), kept here so it survives restarts and is shared by replicas.
+    context_baseline: int = 0
 
     @property
     def tool_calls(self) -> int:
@@ -146,6 +149,9 @@ class Reservation:
     clamped: bool
     final_step: bool
     state: RunState  # the run right after this reservation
+    # False: a call with nothing to enforce, decided without the ledger (`begin_unledgered_step`)
+    # and settled the same way — there is no row to settle.
+    ledgered: bool = True
 
     @property
     def tokens(self) -> int:
@@ -160,6 +166,8 @@ class Settlement:
     tool_calls_requested: int = 0
     finished: bool = False  # the response ended without requesting tools
     run_status: str | None = None  # e.g. deadline_exceeded / cancelled when the call was cut
+    # The provider-reported input tokens of a model step's context (0: not a context reading).
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +183,9 @@ class Ledger(abc.ABC):
     fast (sub-millisecond on loopback Redis or a local SQLite file)."""
 
     name: str
+    # True: every operation ends within the backend's own timeout, so the guarded ledger adds
+    # none of its own (an asyncio timeout costs a timer per operation).
+    bounds_its_own_wait: bool = False
 
     @abc.abstractmethod
     async def begin_step(self, req: StepRequest) -> Reservation:
@@ -488,6 +499,37 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
 _HEADER = {"max_steps": "X-Run-Max-Steps", "max_tool_calls": "X-Run-Max-Tool-Calls"}
 
 
+# -- calls with nothing to enforce ---------------------------------------------------------------
+
+
+def nothing_to_enforce(run_id_generated: bool, caps: RunCaps) -> bool:
+    """A model call that needs no ledger: its run id is one runcap made up (the request is its own
+    one-step run, so no other call shares its budget) and no cap applies to it — none from
+    headers, `[caps]` defaults or `[tasks]` (a deadline or timeout is a cap too: it must survive a
+    restart; any other `RunCaps` field set counts too, to be safe). Nothing could refuse or clamp
+    it, and nothing is left to recover after a crash."""
+    return run_id_generated and caps == _NO_CAPS  # every field at its default: no cap of any kind
+
+
+_NO_CAPS = RunCaps()
+
+
+def begin_unledgered_step(req: StepRequest) -> Reservation:
+    """`begin_step` for a call with nothing to enforce (`nothing_to_enforce`): the same decision on
+    a new run, in memory. The run snapshot and span it leads to are those a ledger would give
+    (step 1, the same status and counters); no ledger row is written, so no transaction is spent."""
+    state = new_run(req.run_id, req.task, req.caps, req.now)
+    return replace(decide_step(state, req), ledgered=False)
+
+
+def settle_unledgered(reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+    """`settle` for a reservation of `begin_unledgered_step`: the run after the call, in memory
+    (no other call shares the run, so its state at reservation time is the whole story)."""
+    state = replace(reservation.state)
+    apply_settlement(state, reservation, settlement, now)
+    return state
+
+
 def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, now: float) -> None:
     state.reserved_usd_nanos = max(0, state.reserved_usd_nanos - reservation.usd_nanos)
     state.reserved_tokens = max(0, state.reserved_tokens - reservation.tokens)
@@ -495,6 +537,8 @@ def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, n
     state.input_tokens += s.input_tokens
     state.output_tokens += s.output_tokens
     state.tool_calls_requested += s.tool_calls_requested
+    if s.context_tokens and not state.context_baseline:
+        state.context_baseline = s.context_tokens  # the run's first answered step
     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
     if s.run_status:
         _set_status(state, s.run_status)

@@ -3,7 +3,8 @@
 `GuardedLedger` wraps a backend (SQLite, Redis) and keeps its interface:
 
 * every operation has a timeout (`ledger_timeout_s`, default 2 s; readiness a shorter one), so a
-  frozen Redis or a locked file costs a call that long at most, never the socket's own timeouts;
+  frozen Redis or a locked file costs a call that long at most, never the socket's own timeouts
+  (SQLite bounds its own waits with its busy timeout, set to the same: `bounds_its_own_wait`);
 * a failure that means the backend is unavailable — connection refused or lost, a timeout, a full
   disk, an I/O error, Redis refusing writes (the backend's `failure_code` says which) — becomes
   one `LedgerUnavailable` (503, `ledger_unavailable`, naming the backend, with a retry hint); any
@@ -83,6 +84,7 @@ class GuardedLedger(Ledger):
         # Per request task: when its last operation failed, and how (see the module docstring).
         self._failed_in: weakref.WeakKeyDictionary[asyncio.Task[object], tuple[float, LedgerUnavailable]]
         self._failed_in = weakref.WeakKeyDictionary()
+        self._last_failure = -float("inf")  # monotonic time of the newest entry in _failed_in
 
     @property
     def location(self) -> str:
@@ -118,7 +120,8 @@ class GuardedLedger(Ledger):
         remember: bool = True,
     ) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if remember and self._failed_in:  # (empty unless the ledger failed lately: no lookup)
+        # (no lookup unless the ledger failed within the timeout: the common case costs a clock read)
+        if remember and time.monotonic() - self._last_failure < self.timeout_s:
             seen = self._failed_in.get(asyncio.current_task())  # type: ignore[arg-type]
             if seen is not None and time.monotonic() - seen[0] < self.timeout_s:
                 failed = seen[1]
@@ -129,6 +132,8 @@ class GuardedLedger(Ledger):
                     retry_after_s=RETRY_AFTER_S,
                 )
         try:
+            if self.backend.bounds_its_own_wait:
+                return await call()
             async with asyncio.timeout(timeout):
                 return await call()
         except Rejection:
@@ -144,7 +149,8 @@ class GuardedLedger(Ledger):
                 self.settle_failures += 1
             task = asyncio.current_task() if remember else None
             if task is not None:
-                self._failed_in[task] = (time.monotonic(), rej)
+                self._last_failure = time.monotonic()
+                self._failed_in[task] = (self._last_failure, rej)
             raise rej from e
         except BaseException:
             self._take_in_doubt()

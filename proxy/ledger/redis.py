@@ -241,7 +241,7 @@ def _state_json(s: RunState) -> bytes:
             c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
             s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
             s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, s.cancelled,
-            s.operator_caps,
+            s.operator_caps, s.context_baseline,
         ]
     )  # fmt: skip
 
@@ -255,6 +255,7 @@ def _json_state(raw: bytes) -> RunState:
         tool_calls_requested=r[14], tool_calls_executed=r[15], reserved_usd_nanos=r[16],
         reserved_tokens=r[17], final_reason=r[18], cancelled=r[19],
         operator_caps=r[20] if len(r) > 20 else "",  # written before operator top-ups existed
+        context_baseline=r[21] if len(r) > 21 else 0,  # written before context growth existed
     )  # fmt: skip
 
 

@@ -1,11 +1,19 @@
 """SQLite ledger backend: the embedded default, one file under the data directory.
 
-Each operation is one `BEGIN IMMEDIATE` transaction (the write lock is taken up front, so two
-processes — `serve --workers N` — cannot both read a run's remaining budget and both spend it).
-The methods are coroutines for the interface's sake but run synchronously on the event loop: a
-transaction takes tens of microseconds, less than a hand-off to a thread would cost.
-WAL mode with `synchronous=NORMAL`: a committed transaction survives a `kill -9` of the process
-(it is in the WAL file before COMMIT returns); only an OS crash may lose the last commits.
+Each operation runs inside a `BEGIN IMMEDIATE` transaction (the write lock is taken up front, so
+two processes — `serve --workers N` — cannot both read a run's remaining budget and both spend
+it), synchronously on the event loop's thread: a transaction takes tens of microseconds, less
+than a hand-off to a thread would cost. The request path's operations (`begin_step`, `settle`,
+`touch_run`) are batched: those asked for during one turn of the event loop run one after another
+in one transaction at the next turn (`_flush`), so under load one commit serves many calls; each
+caller resumes only after COMMIT, so a reservation is durable before its call is forwarded.
+(With fewer than `BATCH_FROM_OPEN` calls in flight, an operation is a transaction of its own.)
+The other operations (tool calls, cancel, top-ups, recovery) are one transaction each.
+WAL mode with `synchronous=NORMAL`: COMMIT returns once the transaction is written to the WAL
+file (in the OS's page cache, not yet fsync'd — that happens at checkpoints), so a committed
+transaction survives a `kill -9` of the process, however many follow; only an OS crash or a power
+loss may lose the transactions committed since the last checkpoint (the file stays consistent:
+it rolls back to an earlier state). `synchronous=FULL` would fsync the WAL at every commit.
 
 Reservations and in-flight tool calls are rows owned by the process that made them. Each process
 holds an exclusive `flock` on its own owner file for as long as it lives; a reservation whose owner
@@ -30,6 +38,7 @@ composite primary key (run_id, key): no two (run, key) pairs share a row, whatev
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -39,8 +48,9 @@ import os
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from proxy.caps import RunCaps
 from proxy.errors import Rejection
@@ -72,6 +82,13 @@ from proxy.ledger.base import (
 )
 
 log = logging.getLogger("runcap.ledger")
+
+T = TypeVar("T")
+
+# Request-path operations wait for the next turn's batched transaction only while at least this
+# many of this process's calls are in flight (others may ask in the same turn); below, each is a
+# transaction of its own at once, as cheap as a batch of one without the wait.
+BATCH_FROM_OPEN = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -138,7 +155,10 @@ MIN_FREE_BYTES = 1 << 20
 # Columns added since the first release — to a new file as to an older one (`_upgrade`). A row
 # written before they were has method '' (IdempotencyRecord: its operation beyond the tool is not known).
 _ADDED_COLUMNS = {
-    "runs": (("operator_caps", "TEXT NOT NULL DEFAULT ''"),),
+    "runs": (
+        ("operator_caps", "TEXT NOT NULL DEFAULT ''"),
+        ("context_baseline", "INTEGER NOT NULL DEFAULT 0"),
+    ),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
         ("path", "TEXT NOT NULL DEFAULT ''"),
@@ -171,9 +191,10 @@ def _record_to_row(r: IdempotencyRecord) -> tuple:  # type: ignore[type-arg]
 _COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
-    "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps"
+    "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps, "
+    "context_baseline"
 )
-_UPSERT = f"INSERT OR REPLACE INTO runs ({_COLUMNS}) VALUES ({', '.join('?' * 21)})"
+_UPSERT = f"INSERT OR REPLACE INTO runs ({_COLUMNS}) VALUES ({', '.join('?' * 22)})"
 
 
 def _row_to_state(row: tuple) -> RunState:  # type: ignore[type-arg]
@@ -195,6 +216,7 @@ def _row_to_state(row: tuple) -> RunState:  # type: ignore[type-arg]
         final_reason=row[18],
         cancelled=bool(row[19]),
         operator_caps=row[20],
+        context_baseline=row[21],
     )
 
 
@@ -205,12 +227,15 @@ def _state_to_row(s: RunState) -> tuple:  # type: ignore[type-arg]
         c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
-        s.operator_caps,
+        s.operator_caps, s.context_baseline,
     )  # fmt: skip
 
 
 class SQLiteLedger(Ledger):
     name = "sqlite"
+    # Each operation waits at most the busy timeout (the ledger's operation timeout), on the
+    # event loop's thread: an asyncio timeout around it could only fire after the fact.
+    bounds_its_own_wait = True
 
     def __init__(
         self,
@@ -232,6 +257,12 @@ class SQLiteLedger(Ledger):
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._upgrade()
+        # Request-path operations waiting for the next batched transaction (`_flush`), and
+        # reservations committed for callers that were gone by then (`drain_in_doubt`).
+        self._batch: list[tuple[Callable[[], object], asyncio.Future[object]]] = []
+        self._in_doubt: list[Reservation | IdempotencyRecord] = []
+        self._flush_on: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on
+        self._open = 0  # reservations this instance made and has not settled (calls in flight)
         self.owner = secrets.token_hex(8)
         self._owner_file = open(self._owners_dir / f"{self.owner}.lock", "w")
         fcntl.flock(self._owner_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -281,69 +312,181 @@ class SQLiteLedger(Ledger):
             _rollback(db)  # a failed COMMIT (disk full, I/O error) may leave the transaction open
             raise
 
+    # -- the request path: batched transactions ------------------------------------------------
+    #
+    # `begin_step`, `settle` and `touch_run` are queued and run together, in one `BEGIN IMMEDIATE`
+    # transaction, at the event loop's next turn (`_flush`): under concurrency one commit (one WAL
+    # append, one lock) serves every call that asked during the same turn, and an idle server
+    # pays one loop turn. Each operation still sees the effect of those before it (they run one
+    # after another) and is isolated from their failures (a rejection keeps what it wrote, as a
+    # transaction of its own would; any other error runs the batch again with a SAVEPOINT per
+    # operation, so only that one fails); its caller learns the outcome only after COMMIT, so a
+    # reservation is durable before its call is forwarded — the ceiling across `kill -9` holds
+    # as before. A file error (full, I/O, locked past the busy timeout) fails the whole batch.
+
     async def begin_step(self, req: StepRequest) -> Reservation:
-        with self._transaction() as db:
-            state = self._load(req.run_id) or new_run(req.run_id, req.task, req.caps, req.now)
-            try:
-                res = decide_step(state, req)
-            finally:
-                self._save(state)  # a rejection changed the run's status too
-            db.execute(
-                "INSERT INTO reservations (id, run_id, owner, usd, input_tokens, output_tokens, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (res.id, res.run_id, self.owner, res.usd_nanos, res.input_tokens, res.output_tokens, req.now),
-            )
-            return res
+        res = await self._queued(lambda: self._begin_step(req), in_doubt=True)
+        self._open += 1
+        return res
 
     async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
-        with self._transaction() as db:
-            gone = (
-                db.execute(
-                    "DELETE FROM reservations WHERE owner = ? AND id = ?", (self.owner, reservation.id)
-                ).rowcount
-                == 0
-            )
-            state = self._load(reservation.run_id)
-            if state is None:
-                raise KeyError(reservation.run_id)
-            swept = None
-            if gone:
-                swept = db.execute(
-                    "DELETE FROM swept_reservations WHERE owner = ? AND id = ? "
-                    "RETURNING usd, input_tokens, output_tokens",
-                    (self.owner, reservation.id),
-                ).fetchone()
-            if swept is not None:
-                # A sweep charged it at its reserved amount (this process was thought dead): the
-                # real usage replaces that charge — never charged twice, never left at the guess.
-                apply_unrecovery(state, *swept, now)
-                apply_settlement(state, reservation, settlement, now)
-                self._save(state)
-                log.warning(
-                    "reservation %s of run %s had been charged at its reserved amount by a sweep; "
-                    "now settled at its real usage", reservation.id, reservation.run_id,
-                )  # fmt: skip
-            elif gone:
-                log.warning(
-                    "reservation %s of run %s was already settled", reservation.id, reservation.run_id
-                )
-            else:
-                apply_settlement(state, reservation, settlement, now)
-                self._save(state)
-            return state
+        self._open = max(0, self._open - 1)
+        return await self._queued(lambda: self._settle(reservation, settlement, now))
 
     async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
-        with self._transaction():
-            state = self._load(run_id)
-            if state is None:
-                state = new_run(run_id, task, caps, now)
-            else:
-                merge_caps(state, task, caps, now)
+        return await self._queued(lambda: self._touch_run(run_id, task, caps, now))
+
+    async def _queued(self, op: Callable[[], T], *, in_doubt: bool = False) -> T:
+        if not self._batch and self._open < BATCH_FROM_OPEN:
+            # Hardly any call in flight here: no other operation is likely to join this turn's
+            # batch, so a transaction of its own now is cheaper than waiting for the next turn.
+            with self._transaction():
+                return op()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._batch.append((op, fut))  # type: ignore[arg-type]
+        if self._flush_on is not loop:  # (a loop that closed before its flush ran needs a new one)
+            self._flush_on = loop
+            loop.call_soon(self._flush)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Cancelled (a timeout, the request gone) while queued: `_flush` skips it. Cancelled
+            # after its transaction committed: a reservation nobody will settle — released by the
+            # caller (`drain_in_doubt`, the guarded ledger's pending releases).
+            if fut.done() and not fut.cancelled() and fut.exception() is None and in_doubt:
+                self._in_doubt.append(fut.result())  # type: ignore[arg-type]
+                self._open += 1  # until its release settles it
+            raise
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        self._flush_on = None
+        # Not those cancelled meanwhile, nor any left by an event loop that is gone.
+        ops = [(op, fut) for op, fut in batch if not fut.done() and not fut.get_loop().is_closed()]
+        if not ops:
+            return
+        try:
             try:
-                check_live(state, now)
-            finally:
-                self._save(state)
-            return state
+                outcomes = self._run_batch(ops, isolate=False)
+            except _OneFailed:
+                # One operation failed after it may have written: the batch is rolled back and
+                # run again with each operation in a savepoint of its own (rare: a bug, a run
+                # purged under its reservation), so only that one fails.
+                outcomes = self._run_batch(ops, isolate=True)
+        except Exception as e:  # the file failed (full, I/O, locked): every operation did
+            for _op, fut in ops:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for fut, value, exc in outcomes:
+            if fut.done():
+                continue
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+    def _run_batch(
+        self, ops: list[tuple[Callable[[], object], asyncio.Future[object]]], *, isolate: bool
+    ) -> list[tuple[asyncio.Future[object], object, BaseException | None]]:
+        """One transaction for `ops`, in order. Returns each one's result or exception, once
+        COMMIT succeeded; raises when the transaction failed (rolled back)."""
+        db = self._db
+        outcomes: list[tuple[asyncio.Future[object], object, BaseException | None]] = []
+        if db.in_transaction:  # left open by a COMMIT that failed: never build on it
+            _rollback(db)
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for op, fut in ops:
+                if isolate:
+                    db.execute("SAVEPOINT op")
+                try:
+                    value = op()
+                except Rejection as rej:  # its status change is part of the answer: kept
+                    outcomes.append((fut, None, rej))
+                except sqlite3.Error:
+                    raise
+                except Exception as e:
+                    if not isolate:
+                        if len(ops) > 1:
+                            raise _OneFailed from e
+                        raise
+                    db.execute("ROLLBACK TO op")
+                    outcomes.append((fut, None, e))
+                else:
+                    outcomes.append((fut, value, None))
+                if isolate:
+                    db.execute("RELEASE op")
+        except BaseException:
+            _rollback(db)
+            raise
+        self._commit(db)
+        return outcomes
+
+    def drain_in_doubt(self) -> list[Reservation | IdempotencyRecord]:
+        out, self._in_doubt = self._in_doubt, []
+        return out
+
+    def _begin_step(self, req: StepRequest) -> Reservation:
+        state = self._load(req.run_id) or new_run(req.run_id, req.task, req.caps, req.now)
+        try:
+            res = decide_step(state, req)
+        finally:
+            self._save(state)  # a rejection changed the run's status too
+        self._db.execute(
+            "INSERT INTO reservations (id, run_id, owner, usd, input_tokens, output_tokens, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (res.id, res.run_id, self.owner, res.usd_nanos, res.input_tokens, res.output_tokens, req.now),
+        )
+        return res
+
+    def _settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+        db = self._db
+        gone = (
+            db.execute(
+                "DELETE FROM reservations WHERE owner = ? AND id = ?", (self.owner, reservation.id)
+            ).rowcount
+            == 0
+        )
+        state = self._load(reservation.run_id)
+        if state is None:
+            raise KeyError(reservation.run_id)
+        swept = None
+        if gone:
+            swept = db.execute(
+                "DELETE FROM swept_reservations WHERE owner = ? AND id = ? "
+                "RETURNING usd, input_tokens, output_tokens",
+                (self.owner, reservation.id),
+            ).fetchone()
+        if swept is not None:
+            # A sweep charged it at its reserved amount (this process was thought dead): the
+            # real usage replaces that charge — never charged twice, never left at the guess.
+            apply_unrecovery(state, *swept, now)
+            apply_settlement(state, reservation, settlement, now)
+            self._save(state)
+            log.warning(
+                "reservation %s of run %s had been charged at its reserved amount by a sweep; "
+                "now settled at its real usage", reservation.id, reservation.run_id,
+            )  # fmt: skip
+        elif gone:
+            log.warning("reservation %s of run %s was already settled", reservation.id, reservation.run_id)
+        else:
+            apply_settlement(state, reservation, settlement, now)
+            self._save(state)
+        return state
+
+    def _touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+        state = self._load(run_id)
+        if state is None:
+            state = new_run(run_id, task, caps, now)
+        else:
+            merge_caps(state, task, caps, now)
+        try:
+            check_live(state, now)
+        finally:
+            self._save(state)
+        return state
 
     async def get_run(self, run_id: str) -> RunState | None:
         return self._load(run_id)
@@ -590,6 +733,8 @@ class SQLiteLedger(Ledger):
             return record
 
     async def close(self) -> None:
+        if self._batch:
+            self._flush()  # answer what is queued before the connection goes
         with contextlib.suppress(sqlite3.Error):
             with self._transaction() as db:
                 db.execute("DELETE FROM probe WHERE owner = ?", (self.owner,))
@@ -614,6 +759,10 @@ class SQLiteLedger(Ledger):
             )
         finally:
             db.close()
+
+
+class _OneFailed(Exception):
+    """An operation of a batch failed with something other than a rejection or a file error."""
 
 
 def _rollback(db: sqlite3.Connection) -> None:

@@ -17,7 +17,15 @@ from typing import TypeVar
 from proxy.caps import RunCaps
 from proxy.config import Config
 from proxy.errors import BudgetExceeded, LedgerUnavailable, Rejection
-from proxy.ledger.base import Reservation, RunState, Settlement, StepRequest
+from proxy.ledger.base import (
+    Reservation,
+    RunState,
+    Settlement,
+    StepRequest,
+    begin_unledgered_step,
+    nothing_to_enforce,
+    settle_unledgered,
+)
 from proxy.ledger.guarded import GuardedLedger
 from proxy.money import format_usd, usd_to_nanos
 from proxy.pricing import PriceBook, max_output_tokens
@@ -116,22 +124,34 @@ class BudgetStep:
             allow_unpriced=self.caps.allow_unpriced,
             counts_as_step=flow.adapter.name != "embeddings",
         )
+        if nothing_to_enforce(run.generated, run.caps):
+            # Its own one-step run with no cap: nothing to reserve against, nothing to recover
+            # after a crash — decided in memory, no ledger transaction (the same decision and run
+            # state as a ledger's: the span and the run row do not change).
+            res = begin_unledgered_step(req)
+            self._apply_reservation(flow, res)
+            return
         try:
-            res: Reservation = await self._timed("reserve", self.ledger.begin_step(req))
+            res = await self._timed("reserve", self.ledger.begin_step(req))
         except LedgerUnavailable:
             raise  # no second ledger call for the span: it would only wait to fail again
         except Rejection:
             flow.state = await self.ledger.get_run(run.run_id)  # for the refused call's span
             raise
+        self._apply_reservation(flow, res)
+
+    def _apply_reservation(self, flow: Flow, res: Reservation) -> None:
+        """The reservation's decision, written into the request: the output limit, the
+        answer-only final step, the usage a stream must report."""
+        info, adapter = flow.info, flow.adapter
+        assert info is not None and adapter is not None
         flow.reservation = res
         flow.state = res.state
         flow.step = res.step
         body = flow.body_json
         assert body is not None
         if res.output_limit is not None:
-            flow.adapter.set_output_limit(
-                body, res.output_limit, legacy_field=flow.upstream.legacy_output_limit
-            )
+            adapter.set_output_limit(body, res.output_limit, legacy_field=flow.upstream.legacy_output_limit)
             flow.body_changed = True
             if res.clamped:
                 flow.clamped_to = res.output_limit
@@ -140,9 +160,9 @@ class BudgetStep:
             # Context the provider holds may hold tools too (an Anthropic thread's, a stored
             # prompt's): they stay live although the body has none, so they are forbidden too.
             if info.has_tools or info.stored_context:
-                flow.adapter.strip_tools(body)
+                adapter.strip_tools(body)
                 flow.body_changed = True
-        if info.stream and flow.adapter.request_stream_usage(body):
+        if info.stream and adapter.request_stream_usage(body):
             flow.injected_stream_usage = True
             flow.body_changed = True
 
@@ -186,6 +206,9 @@ class BudgetStep:
         settlement = self.settlement(flow, res)
         now = time.time()
         self.metrics.settled(flow, settlement)  # what the call spent, whenever the ledger takes it
+        if not res.ledgered:
+            flow.state = settle_unledgered(res, settlement, now)
+            return
         try:
             # This call first, in its own request (earlier failures are retried in the
             # background); shielded: a cancel or deadline arriving now must not lose what it used.
@@ -278,6 +301,9 @@ class BudgetStep:
             # event after the stop reason (the answer reached the agent; only usage is unsure).
             finished=bool(info and info.finished and flow.outcome in ("ok", "incomplete")),
             run_status=status,
+            # The provider's count of this step's context (proxy/server/context.py): the run's
+            # first one is the baseline of its growth.
+            context_tokens=flow.context.tokens if flow.context is not None else 0,
         )
 
     async def _timed(self, op: str, call: Awaitable[T]) -> T:

@@ -46,6 +46,8 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
         "reserved_usd": format_usd(state.reserved_usd_nanos),
         "reserved_tokens": state.reserved_tokens,
         "final_step_reason": state.final_reason,
+        # Input tokens of the run's first answered step: the baseline of X-Run-Context-Growth.
+        "context_baseline_tokens": state.context_baseline,
         "caps": {
             "max_usd": None if caps.max_usd_nanos is None else format_usd(caps.max_usd_nanos),
             "max_tokens": caps.max_tokens,
@@ -134,7 +136,10 @@ class OpsRoutes:
             run_id = self._run_id(request)
             state = await self.ledger.get_run(run_id)
             if state is None:
-                raise NotFound(f"no run {run_id!r} in the ledger")
+                raise NotFound(
+                    f"no run {run_id!r} in the ledger (a call without X-Run-Id and without caps is a "
+                    "one-step run kept out of the ledger: read it from runcap.runs / runcap.spans)"
+                )
         except (InvalidRequest, NotFound, Unauthorized, LedgerUnavailable) as rej:
             return rej.response("openai")
         return _json(run_json(state, time.time()))
