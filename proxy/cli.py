@@ -122,6 +122,14 @@ def _module_doc(module: str) -> str:
         return ast.get_docstring(ast.parse(f.read())) or ""
 
 
+def _add_wide_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--wide", action="store_true",
+        help="every column, whole values and full hashes, however wide the terminal (default: fit "
+        "the terminal, or COLUMNS, leaving out the least important columns first)",
+    )  # fmt: skip
+
+
 def _add_read_commands(sub: Any) -> None:
     """The read commands (proxy/readcli.py): SQL on the span store, and stored payloads."""
     p = sub.add_parser(
@@ -131,11 +139,13 @@ def _add_read_commands(sub: Any) -> None:
     )  # fmt: skip
     _add_client_args(p)
     p.add_argument("name", nargs="?", help="query name, e.g. duplicate_side_effects")
+    _add_wide_arg(p)
     p.add_argument("--param", action="append", metavar="NAME=VALUE", help="a query parameter (repeatable)")
 
     p = sub.add_parser("sql", help="run read-only SQL on the span store (runcap.spans, runcap.runs)")
     _add_client_args(p)
     p.add_argument("sql", help='e.g. "SELECT kind, count() FROM runcap.spans GROUP BY kind"')
+    _add_wide_arg(p)
     p.add_argument("--param", action="append", metavar="NAME=VALUE", help="a {NAME:Type} parameter")
 
     p = sub.add_parser("runs", help="recent runs: status, steps, cost, the cap that stopped them")
@@ -144,14 +154,18 @@ def _add_read_commands(sub: Any) -> None:
     p.add_argument("--task", help="only this task")
     p.add_argument("--status", help="only this status (completed, budget_exceeded, ...)")
     p.add_argument("--limit", type=int, help="rows (default 50)")
+    _add_wide_arg(p)
 
     p = sub.add_parser("run", help="a run's timeline: one line per span (model calls, tool calls, results)")
     _add_client_args(p)
+    _add_wide_arg(p)
     p.add_argument("run_id")
 
     p = sub.add_parser("payload", help="print a stored request/response body by its sha256")
     _add_client_args(p)
-    p.add_argument("hash", help="the sha256 (request_hash / response_hash); a unique prefix on local storage")
+    p.add_argument(
+        "hash", help="the sha256 (request_hash / response_hash), or a unique prefix of it (4+ hex digits)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,9 +195,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
+        config = load_config(args.config, listen=args.listen, data_dir=args.data_dir, workers=args.workers)
+        holder = _claim_data_dir(config.data_dir, config.listen)
+        if holder is not None:
+            print(
+                f"runcap serve: data directory {config.data_dir} is in use by another runcap serve "
+                f"({holder}); stop it, or give this one its own --data-dir (more processes on one "
+                "data directory: --workers N)",
+                file=sys.stderr,
+            )
+            return 1
         from proxy.server.app import serve
 
-        config = load_config(args.config, listen=args.listen, data_dir=args.data_dir, workers=args.workers)
         serve(config)
         return 0
     if args.command == "demo":
@@ -224,6 +247,35 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 2
         return _print_http("POST", f"{base}/runs/{args.run_id}/caps", token, args.json, body)
     raise AssertionError(args.command)
+
+
+SERVE_LOCK = "serve.lock"
+_serve_lock_fd: int | None = None  # held while this process serves; the kernel drops it at exit
+
+
+def _claim_data_dir(data_dir: Any, listen: str) -> str | None:
+    """One `runcap serve` per data directory: its ledger, WAL, shipper and embedded store belong
+    to that one server (and its --workers). Takes `data_dir/serve.lock` (flock) for the life of
+    this process; when another process holds it, returns who that is ("pid N, listening on ...")."""
+    import fcntl
+    from pathlib import Path
+
+    global _serve_lock_fd
+    path = Path(data_dir) / SERVE_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode("utf-8", "replace").split()
+        os.close(fd)
+        if len(holder) >= 2:
+            return f"pid {holder[0]}, listening on {holder[1]}"
+        return f"pid {holder[0]}" if holder else "starting up"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {listen}\n".encode(), 0)
+    _serve_lock_fd = fd
+    return None
 
 
 def _caps_body(args: argparse.Namespace) -> dict[str, Any] | None:

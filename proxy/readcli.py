@@ -22,9 +22,11 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
@@ -179,13 +181,35 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
 
 # -- commands -------------------------------------------------------------------------------------
 
-# Columns a terminal table shows (all of them go to --json).
-_TABLE_COLUMNS = {
-    "runs": ["run_id", "task", "status", "cap_hit", "steps", "tool_calls", "input_tokens",
-             "output_tokens", "cost_usd", "max_usd", "updated_at"],
-    "run_timeline": ["started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens",
-                     "cost_usd", "cumulative_usd", "args_hash", "result_hash", "outcome", "status_code",
-                     "duration_ms"],
+@dataclass(frozen=True)
+class TableView:
+    """How a terminal shows a query's rows (--json gets every column, as named in the SQL)."""
+
+    show: tuple[str, ...]  # the columns, left to right
+    priority: tuple[str, ...]  # most important first: the last ones are left out first when narrow
+    labels: dict[str, str] = field(default_factory=dict)  # shorter headers for wide-named columns
+
+
+_VIEWS = {
+    "runs": TableView(
+        show=("run_id", "task", "status", "cap_hit", "steps", "tool_calls", "input_tokens",
+              "output_tokens", "cost_usd", "max_usd", "updated_at"),
+        priority=("run_id", "status", "steps", "cost_usd", "cap_hit", "updated_at", "task",
+                  "tool_calls", "max_usd", "input_tokens", "output_tokens"),
+        labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "tool_calls": "tools"},
+    ),
+    # request_hash / response_hash are the payloads' keys: `runcap payload PREFIX` prints them.
+    "run_timeline": TableView(
+        show=("started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens", "cost_usd",
+              "cumulative_usd", "outcome", "status_code", "duration_ms", "request_hash", "response_hash",
+              "args_hash", "result_hash", "idempotency_key", "error", "context"),
+        priority=("step", "kind", "tool", "outcome", "cost_usd", "status_code", "error", "context",
+                  "request_hash", "response_hash", "input_tokens", "output_tokens", "duration_ms",
+                  "started_at", "model", "cumulative_usd", "idempotency_key", "args_hash", "result_hash"),
+        labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "status_code": "status",
+                "duration_ms": "ms", "cumulative_usd": "total_usd", "request_hash": "request",
+                "response_hash": "response"},
+    ),
 }  # fmt: skip
 _SHORT_HASH = 12
 _ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00")
@@ -210,7 +234,7 @@ def run_read_command(args: argparse.Namespace, config: Config) -> int:
 def _run(args: argparse.Namespace, reader: Reader) -> int:
     if args.command == "sql":
         columns, rows = reader.query(args.sql, parse_param_args(args.param or []))
-        print_rows(columns, rows, args.json)
+        print_rows(columns, rows, args.json, wide=args.wide)
         return 0
     if args.command == "query":
         name, given = args.name, parse_param_args(args.param or [])
@@ -232,7 +256,7 @@ def _run(args: argparse.Namespace, reader: Reader) -> int:
             raise ReadError(f"no spans for run {args.run_id!r} in {reader.where}")
         total = rows[-1][columns.index("cumulative_usd")]
         title = f"run {args.run_id}: {len(rows)} spans, ${_fmt_decimal(total)}"
-    print_rows(columns, rows, args.json, show=_TABLE_COLUMNS.get(name), title=title)
+    print_rows(columns, rows, args.json, view=_VIEWS.get(name), title=title, wide=args.wide)
     return 0
 
 
@@ -251,27 +275,64 @@ def _list_queries(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(listing, indent=2))
         return 0
+    from proxy.termtable import terminal_width
+
+    width = terminal_width()
+
+    def say(line: str, indent: str) -> None:  # wrapped to the terminal, if there is one
+        print(textwrap.fill(line, width, subsequent_indent=indent, break_on_hyphens=False) if width else line)
+
     for q in queries:
         first = q.question.split("? ")[0] + ("?" if "? " in q.question else "")
-        print(f"{q.name}: {first}")
+        say(f"{q.name}: {first}", "    ")
         for p in q.params:
-            print(f"    --param {p.name}=…  {p.type}, default {p.default}" + (f" — {p.doc}" if p.doc else ""))
+            say(f"    --param {p.name}=…  {p.type}, default {p.default}" + (f" — {p.doc}" if p.doc else ""),
+                " " * 8)  # fmt: skip
     return 0
 
 
-def _payload(args: argparse.Namespace, config: Config) -> int:
-    from proxy.spans.payloads import LocalPayloadStore, open_payload_store
+_HEX = re.compile(r"[0-9a-f]+")
+MIN_PREFIX = 4  # hex digits of a hash prefix `runcap payload` looks up
+_CANDIDATES = 10
 
+
+def _payload(args: argparse.Namespace, config: Config) -> int:
+    from proxy.spans.payloads import open_payload_store
+
+    given = args.hash.strip().lower()
+    if not _HEX.fullmatch(given) or len(given) > 64:
+        raise ReadError(
+            f"{args.hash!r} is not a sha256 hash or a prefix of one (hex digits: the request_hash / "
+            "response_hash that `runcap run RUN_ID` shows)"
+        )
+    if len(given) < MIN_PREFIX:
+        raise ReadError(f"{args.hash!r} is too short: give at least {MIN_PREFIX} hex digits of the hash")
+    where = config.s3_url or str(Path(config.data_dir) / "payloads")
     store = open_payload_store(config.s3_url, config.data_dir)
     try:
-        digest = args.hash.strip().lower()
-        if len(digest) < 64 and isinstance(store, LocalPayloadStore) and len(digest) >= 8:
-            digest = _resolve_prefix(store, digest)
+        digest = given
+        if len(given) < 64:
+            found = store.find(given, _CANDIDATES + 1)  # type: ignore[attr-defined]
+            if not found:
+                raise ReadError(f"no payload matches {given} in {where}")
+            if len(found) > 1:
+                more = " …" if len(found) > _CANDIDATES else ""
+                raise ReadError(
+                    f"{given} matches several payloads in {where}; give more digits: "
+                    + ", ".join(found[:_CANDIDATES]) + more
+                )  # fmt: skip
+            digest = found[0]
         try:
             data = store.get(digest)
-        except (KeyError, ValueError) as e:
-            where = config.s3_url or str(Path(config.data_dir) / "payloads")
-            raise ReadError(f"no payload {args.hash!r} in {where}: {e}") from None
+        except KeyError:
+            raise ReadError(
+                f"no payload {digest} in {where} (bodies are kept per the payloads setting and "
+                "retention; a span's hash is '' when its body was not stored)"
+            ) from None
+    except ReadError:
+        raise
+    except Exception as e:  # the store's own failure (S3 unreachable, denied): one line, no traceback
+        raise ReadError(f"cannot read the payload store {where}: {e}") from None
     finally:
         store.close()
     if args.json:
@@ -284,71 +345,66 @@ def _payload(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _resolve_prefix(store: Any, prefix: str) -> str:
-    """A unique hash prefix (as the timeline table shows) → the full hash; local store only."""
-    directory = store.path(prefix[:2].ljust(64, "0")).parent
-    found = [p.name for p in directory.glob(f"{prefix}*") if len(p.name) == 64]
-    if len(found) == 1:
-        return found[0]
-    if found:
-        raise ReadError(f"hash prefix {prefix!r} is ambiguous: {', '.join(sorted(found)[:5])}")
-    return prefix  # let get() say it is missing
-
-
 # -- output -----------------------------------------------------------------------------------
 
 
 def print_rows(
-    columns: Sequence[str], rows: Rows, as_json: bool, *, show: Sequence[str] | None = None,
-    title: str | None = None, console: Any = None,
+    columns: Sequence[str], rows: Rows, as_json: bool, *, view: TableView | None = None,
+    title: str | None = None, wide: bool = False,
 ) -> None:  # fmt: skip
     if as_json:
         print(json.dumps([dict(zip(columns, row, strict=True)) for row in rows], indent=1, default=str))
         return
-    render_table(columns, rows, show=show, title=title, console=console)
+    render_table(columns, rows, view=view, title=title, wide=wide)
 
 
 def render_table(
-    columns: Sequence[str], rows: Rows, *, show: Sequence[str] | None = None, title: str | None = None,
-    console: Any = None,
+    columns: Sequence[str], rows: Rows, *, show: Sequence[str] | None = None, view: TableView | None = None,
+    title: str | None = None, wide: bool = False, width: int | None = None,
 ) -> None:  # fmt: skip
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    picked = [i for i, c in enumerate(columns) if show is None or c in show]
-    cells = [[_cell(columns[i], row[i]) for i in picked] for row in rows]
-    if console is None:
-        # As wide as the table needs (at least the terminal): squeezed into 80 columns, hashes and
-        # times fold into unreadable stubs; a long line can be scrolled (`less -S`).
-        widths = [max([len(columns[i])] + [len(r[j]) for r in cells]) for j, i in enumerate(picked)]
-        natural = sum(widths) + 3 * len(widths) + 2
-        # (at least 40: an empty result's few columns once made "(no rows)" fold to "(n", "o ", ...)
-        console = Console(width=min(max(natural, len(title or ""), 40), 1000), highlight=False)
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
-    for i in picked:
-        numeric = bool(rows) and all(
-            isinstance(r[i], (int, float)) or _is_decimal(r[i]) for r in rows if r[i] is not None
-        )
-        table.add_column(columns[i], justify="right" if numeric else "left", overflow="fold")
-    for row in cells:
-        table.add_row(*row)
-    console.print(table)
-    if not rows:
-        console.print("(no rows)")
+    """Print `rows` as a table fitted to the terminal (proxy/termtable.py); `wide`: every column,
+    whole values and full hashes, whatever the width. `width` overrides the terminal's."""
+    for line in table_lines(columns, rows, show=show, view=view, title=title, wide=wide, width=width):
+        print(line)
 
 
-def _cell(column: str, value: Any) -> str:
+def table_lines(
+    columns: Sequence[str], rows: Rows, *, show: Sequence[str] | None = None, view: TableView | None = None,
+    title: str | None = None, wide: bool = False, width: int | None = None,
+) -> list[str]:  # fmt: skip
+    from proxy.termtable import format_table, is_identifier, terminal_width
+
+    shown = view.show if view is not None else show
+    picked = [columns.index(c) for c in shown if c in columns] if shown else list(range(len(columns)))
+    right = [  # numbers; never an id or a hash, even one that is all digits
+        bool(rows)
+        and not is_identifier(columns[i])
+        and all(isinstance(r[i], (int, float)) or _is_decimal(r[i]) for r in rows if r[i] is not None)
+        and not isinstance(next((r[i] for r in rows if r[i] is not None), None), bool)
+        for i in picked
+    ]
+    return format_table(
+        [columns[i] for i in picked],
+        [[_cell(columns[i], row[i], wide) for i in picked] for row in rows],
+        right=right,
+        width=None if wide else (width or terminal_width()),
+        priority=view.priority if view is not None else None,
+        labels=view.labels if view is not None else None,
+        title=title,
+    )
+
+
+def _cell(column: str, value: Any, wide: bool = False) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, list):
-        return ", ".join(_cell(column, v) for v in value)
+        return ", ".join(_cell(column, v, wide) for v in value)
     if isinstance(value, float):
         return f"{value:g}" if abs(value) < 1e15 else str(value)
     if isinstance(value, str):
-        if column.endswith("_hash") or column == "idempotency_key" or column == "hash":
+        if (column.endswith("_hash") or column == "idempotency_key" or column == "hash") and not wide:
             return value[:_SHORT_HASH]
         if _ISO_UTC.fullmatch(value):  # ISO 8601 UTC, to the millisecond
             return value.removesuffix("+00:00")[:23].replace("T", " ")

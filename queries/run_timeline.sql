@@ -2,7 +2,9 @@
 -- calls with tokens, cost and cumulative cost; tool calls the model requested (tool_call), results
 -- the agent sent back (tool_result), calls through /tools (tool); outcome, status and duration.
 -- Hashes are full: `runcap payload HASH` prints a stored request/response body. Used by
--- `runcap run RUN_ID`.
+-- `runcap run RUN_ID`. `context` says what a context policy did to a model call's request
+-- (policy, input tokens removed, and the hash prefix of the request as the agent sent it — in
+-- full in attributes['context.original_request_hash']; request_hash is the one forwarded), or, for a call refused by X-Run-Max-Context-Tokens, the cap.
 --
 -- @param run_id  String                = ''                          -- the run; '' = the most recently active run
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''
@@ -25,6 +27,14 @@ SELECT
     request_hash,
     response_hash,
     substring(error, 1, 200) AS error,
+    multiIf(
+        attributes['context.policy'] != '',
+        concat(attributes['context.policy'], ' -', attributes['context.removed_tokens'], ' tok, sent as ',
+               substring(attributes['context.original_request_hash'], 1, 12)),
+        error LIKE 'X-Run-Max-Context-Tokens:%',
+        concat('over max_context_tokens ', attributes['context.max_tokens']),
+        ''
+    ) AS context,
     run_id
 FROM
 (

@@ -8,10 +8,11 @@ import asyncio
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import openai
 
-from tests.conftest import REPO
+from tests.conftest import REPO, RuncapProcess, free_port
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -54,6 +55,29 @@ def test_busy_port_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def
             assert out.returncode == 1, out.stderr
             lines = [line for line in out.stderr.splitlines() if "already in use" in line]
             assert lines and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_second_serve_on_the_same_data_dir_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two `runcap serve` on one data directory would share its ledger, WAL and embedded store: the
+    second stops at once and says which process holds it; the first serves on."""
+    data = tmp_path / "data"
+    config = tmp_path / "runcap.toml"
+    config.write_text("log_requests = false\ntracing = false\n")  # the lock comes first: no shipper needed
+    first = RuncapProcess(config, data)
+    first.start()
+    try:
+        assert first.proc is not None
+        second = cli("serve", "--listen", f"127.0.0.1:{free_port()}", "--data-dir", str(data))
+        assert second.returncode == 1
+        assert second.stderr.splitlines() == [
+            f"runcap serve: data directory {data} is in use by another runcap serve (pid {first.proc.pid}, "
+            f"listening on 127.0.0.1:{first.port}); stop it, or give this one its own --data-dir (more "
+            "processes on one data directory: --workers N)"
+        ]
+        with urllib.request.urlopen(f"{first.url}/healthz", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        first.stop()
 
 
 def test_closed_pipe_is_quiet(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -20,7 +20,7 @@ import pytest
 
 from proxy.hashing import canonical_json
 from proxy.pricing import PriceBook
-from proxy.readcli import AdminSqlReader
+from proxy.readcli import AdminSqlReader, ReadError
 from tests.conftest import REPO, RuncapProcess, free_port
 from tests.support.oncall_scenarios import REFUND, Agent, Facts, Services, play, wait_for_spans
 
@@ -41,7 +41,8 @@ class Served:
 
 
 def cli(*args: str, env: dict[str, str] | None = None, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("RUNCAP_")}
+    # no COLUMNS: a pipe gets the whole table, whatever the terminal pytest runs in
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RUNCAP_") and k != "COLUMNS"}
     done = subprocess.run(
         [sys.executable, "-m", "proxy.cli", *args], cwd=REPO, env={**clean, **(env or {})},
         capture_output=True, text=True, timeout=60,
@@ -77,14 +78,38 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         )
         proc.start()
         facts = play(proc.url, "cli", TOKEN)
-        reader = AdminSqlReader(proc.url, TOKEN)
+        # A run that only calls tools, cancelled: its row says so (not `active` forever).
+        agent = Agent(proc.url, facts, TOKEN)
+        agent.tool("cli-tools-cancelled", "search", {"q": "refund policy"})
+        agent.cancel("cli-tools-cancelled")
+        agent.close()
         total = facts.model_spans + facts.tool_spans + facts.tool_call_spans + facts.tool_result_spans
-        wait_for_spans(lambda sql: reader.query(sql)[1], total)
+        reader = starting_shipper(AdminSqlReader(proc.url, TOKEN))
+        wait_for_spans(reader, total, timeout=60)
+        cancelled = (
+            "SELECT count() FROM runcap.runs WHERE run_id = 'cli-tools-cancelled' AND status = 'cancelled'"
+        )
+        wait_for_spans(lambda _: reader(cancelled), 1)  # the cancel's row: the last record written
         yield Served(svc, proc, config, data_dir, facts)
     finally:
         if proc is not None:
             proc.stop()
         svc.close()
+
+
+def starting_shipper(reader: AdminSqlReader) -> Any:
+    """`reader.query` for `wait_for_spans`, counting nothing while the span shipper (a process of
+    its own, slow to start on a busy machine) does not answer yet."""
+
+    def rows(sql: str) -> Any:
+        try:
+            return reader.query(sql)[1]
+        except ReadError as e:
+            if "HTTP 503" not in str(e):
+                raise
+            return [[-1]]
+
+    return rows
 
 
 def test_through_a_running_runcap(served: Served) -> None:
@@ -98,8 +123,11 @@ def test_through_a_running_runcap(served: Served) -> None:
         "dup"
     ].cost(PRICES)
     assert [r["run_id"] for r in as_json("runs", *cfg, "--status", "cancelled", "--limit", "5")] == [
-        "cli-cancel"
-    ]
+        "cli-tools-cancelled", "cli-cancel"
+    ]  # fmt: skip
+    # A run that only calls tools never completes (no model answer ends it): active until a cap,
+    # its deadline or a cancel stops it.
+    assert statuses["cli-storm"] == "active" and statuses["cli-tools-cancelled"] == "cancelled"
 
     timeline = as_json("run", "cli-dup", *cfg)
     assert [(r["step"], r["kind"], r["outcome"]) for r in timeline] == [
@@ -108,6 +136,10 @@ def test_through_a_running_runcap(served: Served) -> None:
         (3, "model", "ok"),
     ]  # fmt: skip
     assert Decimal(timeline[-1]["cumulative_usd"]) == served.facts.runs["dup"].cost(PRICES)
+    # A result sent back carries the status of the call that carried it, as a requested call does.
+    assert {r["kind"]: r["status_code"] for r in timeline} == {
+        "model": 200, "tool_call": 200, "tool": 200, "tool_result": 200
+    }  # fmt: skip
 
     table = cli("run", "cli-dup", *cfg).stdout
     lines = table.splitlines()
@@ -178,6 +210,119 @@ def test_query_list_and_payload(served: Served) -> None:
     assert json.loads(wrapped["body"])["object"] == "chat.completion"
     missing = cli("payload", "ab" * 32, "--data-dir", str(served.data_dir), ok=False)
     assert missing.returncode == 1 and "no payload" in missing.stderr
+
+
+def main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`runcap ARGS` in this process (no interpreter start-up): exit code, stdout, stderr."""
+    from proxy.cli import main as runcap
+
+    code = runcap(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_payload_prefixes(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefix that matches nothing says so, one that matches several lists them; an argument that
+    is no hash at all says what a hash looks like."""
+    for name in [k for k in os.environ if k.startswith("RUNCAP_")]:
+        monkeypatch.delenv(name)
+    at = ("--data-dir", str(served.data_dir))
+    assert main(capsys, "payload", "deadbeef", *at) == (
+        1, "", f"runcap payload: no payload matches deadbeef in {served.data_dir / 'payloads'}\n"
+    )  # fmt: skip
+    code, _, err = main(capsys, "payload", "cli-dup", *at)
+    assert code == 1 and "'cli-dup' is not a sha256 hash or a prefix of one" in err
+
+    from proxy.spans.payloads import LocalPayloadStore
+
+    prefix_lookups(capsys, LocalPayloadStore(tmp_path / "payloads"), ("--data-dir", str(tmp_path)),
+                   str(tmp_path / "payloads"))  # fmt: skip
+
+
+def test_payload_prefixes_on_s3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from proxy.spans.payloads import open_payload_store
+    from tests.support.s3 import CREDENTIALS, S3Server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    s3 = S3Server().start()
+    try:
+        s3.create_bucket("cli-payloads")
+        for name in [k for k in os.environ if k.startswith(("RUNCAP_", "AWS_"))]:
+            monkeypatch.delenv(name)
+        for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": s3.endpoint_url}.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("RUNCAP_S3_URL", "s3://cli-payloads/runcap")
+        store = open_payload_store("s3://cli-payloads/runcap", tmp_path)
+        prefix_lookups(capsys, store, ("--data-dir", str(tmp_path)), "s3://cli-payloads/runcap")
+    finally:
+        s3.stop()
+
+
+def prefix_lookups(capsys: pytest.CaptureFixture[str], store: Any, at: tuple[str, ...], where: str) -> None:
+    """Two bodies whose hashes share their first 4 hex digits, in `store`: `runcap payload` lists
+    both for that prefix, prints one for a longer prefix, and says when nothing matches."""
+    from proxy.spans.model import Payload
+
+    seen: dict[str, bytes] = {}
+    for n in range(5000):
+        body = b'{"n": %d}' % n
+        other = seen.setdefault(hashlib.sha256(body).hexdigest()[:4], body)
+        if other != body:
+            break
+    for b in (other, body):
+        store.put(Payload(hashlib.sha256(b).hexdigest(), b))
+    store.close()
+    both = sorted(hashlib.sha256(b).hexdigest() for b in (other, body))
+    code, _, err = main(capsys, "payload", both[0][:4], *at)
+    assert (code, err) == (
+        1, f"runcap payload: {both[0][:4]} matches several payloads in {where}; give more digits: "
+        f"{both[0]}, {both[1]}\n",
+    )  # fmt: skip
+    code, out, _ = main(capsys, "payload", both[1][:20], *at)
+    assert code == 0 and hashlib.sha256(out.encode()).hexdigest() == both[1]
+    unknown = "0" * 6 if both[0][:6] != "0" * 6 else "f" * 6
+    assert main(capsys, "payload", unknown, *at) == (
+        1, "", f"runcap payload: no payload matches {unknown} in {where}\n"
+    )  # fmt: skip
+
+
+def test_tables_fit_the_terminal(
+    served: Served, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """COLUMNS=80: no line wider, one line per row, and the hashes shown are what `runcap payload`
+    takes; --wide shows every column and full hashes."""
+    for name in [k for k in os.environ if k.startswith("RUNCAP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("COLUMNS", "80")
+    cfg = ("--config", str(served.config))
+    timeline = json.loads(main(capsys, "run", "cli-dup", *cfg, "--json")[1])
+    code, out, _ = main(capsys, "run", "cli-dup", *cfg)
+    lines = out.splitlines()
+    assert code == 0 and all(len(line) <= 80 for line in lines), lines
+    assert lines[0] == f"run cli-dup: {len(timeline)} spans, ${timeline[-1]['cumulative_usd']}"
+    assert {"step", "kind", "outcome", "status", "request"} <= set(lines[2].split())
+    rows = lines[4 : 4 + len(timeline)]
+    assert [r.split()[1] for r in rows] == [t["kind"] for t in timeline]
+    assert lines[-1].startswith("(--wide shows ") and len(lines) == 5 + len(timeline)
+    request = timeline[0]["request_hash"]
+    assert request[:12] in rows[0] and request not in out
+    code, body, _ = main(capsys, "payload", request[:12], "--data-dir", str(served.data_dir))
+    assert code == 0 and hashlib.sha256(body.encode()).hexdigest() == request
+
+    code, out, _ = main(capsys, "run", "cli-dup", *cfg, "--wide")
+    assert len(out.splitlines()) == 4 + len(timeline) and timeline[0]["response_hash"] in out
+    for command in (("runs",), ("query", "unknown_outcomes"), ("query", "duplicate_side_effects")):
+        code, out, _ = main(capsys, *command, *cfg)
+        lines = out.splitlines()
+        assert code == 0 and lines and all(len(line) <= 80 for line in lines), lines
+        rows = json.loads(main(capsys, *command, *cfg, "--json")[1])
+        assert len(lines) == 2 + len(rows) + lines[-1].startswith("(--wide shows ")
 
 
 def test_without_a_server_reads_the_data_directory(served: Served, tmp_path: Path) -> None:

@@ -275,6 +275,11 @@ class LocalPayloadStore:
             encoding = IDENTITY  # written by hand or by a tool that does not compress
         return _decode(stored, encoding, sha256)
 
+    def find(self, prefix: str, limit: int = 10) -> list[str]:
+        """Stored hashes starting with `prefix` (at least 2 hex digits), at most `limit`, sorted."""
+        directory = self.directory / f"{self.prefix}sha256" / prefix[:2]
+        return sorted(p.name for p in directory.glob(f"{prefix}*") if _HASH.fullmatch(p.name))[:limit]
+
     def encoding(self, sha256: str) -> str:
         """How the object is stored (`identity` or `gzip`)."""
         try:
@@ -448,6 +453,14 @@ class S3PayloadStore:
             raise
         stored = resp["Body"].read()
         return _decode(stored, resp.get("Metadata", {}).get(META_ENCODING, IDENTITY), sha256)
+
+    def find(self, prefix: str, limit: int = 10) -> list[str]:
+        """Stored hashes starting with `prefix` (at least 2 hex digits), at most `limit`, sorted."""
+        listed = self._client.list_objects_v2(
+            Bucket=self.bucket, Prefix=f"{self.prefix}sha256/{prefix[:2]}/{prefix}", MaxKeys=limit
+        )
+        names = (obj["Key"].rsplit("/", 1)[-1] for obj in listed.get("Contents", []))
+        return sorted(n for n in names if _HASH.fullmatch(n))
 
     def encoding(self, sha256: str) -> str:
         """How the object is stored (`identity` or `gzip`), from its metadata."""
