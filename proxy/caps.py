@@ -40,6 +40,10 @@ class RunCaps:
     # Relative deadline (seconds after the run's first request); resolved by the ledger when the
     # run is created, because only the ledger knows when that was.
     timeout_s: float | None = None
+    # Cap on ONE step's input tokens (`X-Run-Max-Context-Tokens`), enforced before forwarding by
+    # proxy/server/context.py with each request's own value (header, task, [caps] default and
+    # ceiling). A per-step limit, not a budget the run uses up: the ledger does not store it.
+    max_context_tokens: int | None = None
 
     def lowered_by(self, other: RunCaps) -> RunCaps:
         """The tighter of two sets of caps, cap by cap (None is no cap)."""
@@ -50,6 +54,7 @@ class RunCaps:
             _min(self.max_tool_calls, other.max_tool_calls),
             _min(self.deadline, other.deadline),
             None,
+            _min(self.max_context_tokens, other.max_context_tokens),
         )
 
     def resolve_deadline(self, started_at: float) -> RunCaps:
@@ -62,6 +67,7 @@ class RunCaps:
             self.max_tool_calls,
             _min(self.deadline, started_at + self.timeout_s),
             None,
+            self.max_context_tokens,
         )
 
 
@@ -117,6 +123,7 @@ def parse_run_headers(
     max_tokens = _count(headers.get("X-Run-Max-Tokens"), "X-Run-Max-Tokens")
     max_steps = _count(headers.get("X-Run-Max-Steps"), "X-Run-Max-Steps")
     max_tool_calls = _count(headers.get("X-Run-Max-Tool-Calls"), "X-Run-Max-Tool-Calls")
+    max_context = _count(headers.get("X-Run-Max-Context-Tokens"), "X-Run-Max-Context-Tokens")
     deadline = _deadline(headers.get("X-Run-Deadline"))
     timeout_s = _seconds(headers.get("X-Run-Timeout"), "X-Run-Timeout")
     longest = config.max_run_seconds
@@ -144,6 +151,9 @@ def parse_run_headers(
             timeout_s if has_time_header else config.default_timeout_s,
             config.ceiling_timeout_s,
         ),
+        max_context_tokens=_apply(
+            max_context, config.default_max_context_tokens, config.ceiling_max_context_tokens
+        ),
     )
     per_task = config.tasks.get(task) if task else None
     if per_task is not None:
@@ -159,6 +169,12 @@ def parse_run_headers(
             ),
             deadline=deadline,
             timeout_s=_task_cap(timeout_s, per_task.timeout_s, config.ceiling_timeout_s, caps.timeout_s),
+            max_context_tokens=_task_cap(
+                max_context,
+                per_task.max_context_tokens,
+                config.ceiling_max_context_tokens,
+                caps.max_context_tokens,
+            ),
         )
 
     operation_id = headers.get("X-Run-Operation-Id")

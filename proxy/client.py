@@ -31,6 +31,8 @@ from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from proxy.context import POLICIES as CONTEXT_POLICIES
+
 __all__ = [
     "NON_RETRYABLE_ERROR_TYPES",
     "BudgetExceeded",
@@ -67,6 +69,8 @@ class RunHeaders:
     max_tool_calls: int | None = None
     deadline: str | None = None  # RFC 3339 or Unix seconds; datetimes and numbers are converted
     timeout_s: float | None = None  # relative to the run's first request
+    max_context_tokens: int | None = None  # one step's input tokens
+    context_policy: str | None = None  # "offload", "summarize" or "offload,summarize"
     operation_id: str | None = None
     idempotency_key: str | None = None
 
@@ -77,12 +81,19 @@ class RunHeaders:
             object.__setattr__(self, "max_usd", _usd(self.max_usd))
         if self.deadline is not None:
             object.__setattr__(self, "deadline", _deadline(self.deadline))
-        for name in ("max_tokens", "max_steps", "max_tool_calls"):
+        for name in ("max_tokens", "max_steps", "max_tool_calls", "max_context_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
         if self.timeout_s is not None and not (0 < float(self.timeout_s) < math.inf):
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+        if self.context_policy is not None:
+            names = [n.strip() for n in self.context_policy.split(",")]
+            if not all(n in CONTEXT_POLICIES for n in names):
+                raise ValueError(
+                    f"context_policy must name one or more of {', '.join(CONTEXT_POLICIES)} "
+                    f"(comma-separated), got {self.context_policy!r}"
+                )
 
     def for_call(self, operation_id: str | None = None, idempotency_key: str | None = None) -> RunHeaders:
         """The same run, for one tool call: a new `operation_id` repeats an operation on purpose
@@ -99,6 +110,7 @@ class RunHeaders:
             ("X-Run-Max-Tokens", self.max_tokens),
             ("X-Run-Max-Steps", self.max_steps),
             ("X-Run-Max-Tool-Calls", self.max_tool_calls),
+            ("X-Run-Max-Context-Tokens", self.max_context_tokens),
         ):
             if value is not None:
                 h[header] = str(value)
@@ -106,6 +118,8 @@ class RunHeaders:
             h["X-Run-Deadline"] = str(self.deadline)
         if self.timeout_s is not None:
             h["X-Run-Timeout"] = f"{float(self.timeout_s):g}"
+        if self.context_policy is not None:
+            h["X-Run-Context-Policy"] = self.context_policy
         if self.operation_id is not None:
             h["X-Run-Operation-Id"] = self.operation_id
         if self.idempotency_key is not None:
@@ -178,7 +192,8 @@ class RuncapRejection(Exception):
 
 
 class BudgetExceeded(RuncapRejection):
-    """402: a cap is used up; `code` (also `.cap`) is max_usd, max_tokens, max_steps or max_tool_calls."""
+    """402: a cap is used up; `code` (also `.cap`) is max_usd, max_tokens, max_steps, max_tool_calls
+    or max_context_tokens (one step over its context cap: shorten the context, the run goes on)."""
 
     status = 402
     type = "run_budget_exceeded"
@@ -244,7 +259,7 @@ NON_RETRYABLE_ERROR_TYPES: tuple[str, ...] = tuple(
 )
 
 
-_CAP_HEADER = re.compile(r"X-Run-Max-(Usd|Tokens|Steps|Tool-Calls)", re.IGNORECASE)
+_CAP_HEADER = re.compile(r"X-Run-Max-(Usd|Tokens|Steps|Tool-Calls|Context-Tokens)", re.IGNORECASE)
 
 
 def rejection_from_response(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.context import POLICIES, ContextSettings
 from proxy.money import usd_to_nanos
 from proxy.pricing import ModelPrice
 from proxy.server.upstream_url import Base
@@ -99,6 +100,10 @@ class TaskCaps:
     max_steps: int | None = None
     max_tool_calls: int | None = None
     timeout_s: float | None = None
+    max_context_tokens: int | None = None
+    # The context policy runs of this task get when they send no X-Run-Context-Policy
+    # (proxy.context.POLICIES); () = none: runcap never changes a message.
+    context_policy: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,8 @@ class CapsConfig:
     ceiling_max_tool_calls: int | None = None
     default_timeout_s: float | None = None
     ceiling_timeout_s: float | None = None
+    default_max_context_tokens: int | None = None
+    ceiling_max_context_tokens: int | None = None
     # A run with a dollar cap refuses a model without a known price unless this is set.
     allow_unpriced: bool = False
     # A call is refused rather than clamped below this many output tokens: an answer that
@@ -184,6 +191,8 @@ class Config:
     wal_segment_bytes: int = 16 << 20
     # [mcp.NAME]: MCP servers reached through /mcp/{name} (proxy/mcp/).
     mcp: Mapping[str, MCPServerConfig] = field(default_factory=dict)
+    # [context]: thresholds of the context policies and of the growth alert (proxy/context/).
+    context: ContextSettings = field(default_factory=ContextSettings)
 
     @property
     def listen(self) -> str:
@@ -206,7 +215,7 @@ _TOP_KEYS = {
     "ledger_timeout_s", "ledger_sweep_interval_s", "redis_heartbeat_s", "redis_heartbeat_ttl_s",
     "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "max_connections_per_client",
     "payload_retention_days", "payload_store_max_bytes",
-    "wal_fsync", "wal_fsync_interval_ms", "wal_max_bytes", "wal_segment_bytes",
+    "wal_fsync", "wal_fsync_interval_ms", "wal_max_bytes", "wal_segment_bytes", "context",
 }  # fmt: skip
 
 
@@ -268,6 +277,7 @@ def build_config(
     caps = _caps(_table(raw, "caps"))
     tasks = {name: _task(name, section, caps) for name, section in _table(raw, "tasks").items()}
     caps = replace(caps, tasks=tasks)
+    context = _context(raw.get("context", {}), tasks)
     prices = {model: _price(model, section) for model, section in _table(raw, "prices").items()}
     model_max_output = {}
     for model, section in _table(raw, "models").items():
@@ -369,6 +379,7 @@ def build_config(
         wal_max_bytes=wal_max_bytes,
         wal_segment_bytes=wal_segment_bytes,
         mcp=mcp,
+        context=context,
     )
 
 
@@ -570,7 +581,19 @@ def _task(name: str, section: Mapping[str, Any], caps: CapsConfig) -> TaskCaps:
     where = f'tasks."{name}"'
     if not name or len(name) > 256 or not name.isprintable():
         raise ConfigError(f"{where}: a task name is 1-256 printable characters (as sent in X-Run-Task)")
-    _only(section, where, {"max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s"})
+    _only(
+        section,
+        where,
+        {
+            "max_usd",
+            "max_tokens",
+            "max_steps",
+            "max_tool_calls",
+            "timeout_s",
+            "max_context_tokens",
+            "context_policy",
+        },
+    )
     usd = _number(section, where, "max_usd")
     timeout = _number(section, where, "timeout_s", positive=True)
     if timeout is not None and timeout > caps.max_run_seconds:
@@ -581,7 +604,71 @@ def _task(name: str, section: Mapping[str, Any], caps: CapsConfig) -> TaskCaps:
         max_steps=_int(section, where, "max_steps"),
         max_tool_calls=_int(section, where, "max_tool_calls"),
         timeout_s=float(timeout) if timeout is not None else None,
+        max_context_tokens=_int(section, where, "max_context_tokens"),
+        context_policy=_policies(section, where),
     )
+
+
+def _policies(section: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    """`context_policy`: a policy name or a list of them, each one of proxy.context.POLICIES."""
+    value = section.get("context_policy", [])
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}.context_policy: expected a list of policy names ({', '.join(POLICIES)})")
+    for name in names:
+        if name not in POLICIES:
+            raise ConfigError(
+                f"{where}.context_policy: {name!r} is not a context policy (known: {', '.join(POLICIES)})"
+            )
+    return tuple(dict.fromkeys(names))
+
+
+_CONTEXT_INTS = {
+    "keep_last_steps": 0,
+    "offload_min_bytes": 1,
+    "head_bytes": 0,
+    "tail_bytes": 0,
+    "max_fetch_calls": 0,
+    "summarize_above_tokens": 1,
+    "summary_keep_first": 0,
+    "summary_keep_last": 1,
+    "summary_max_tokens": 1,
+}
+
+
+def _context(section: Any, tasks: Mapping[str, TaskCaps]) -> ContextSettings:
+    """`[context]`: every key named in a message when it is wrong. `summary_model` is required as
+    soon as a task's `context_policy` uses summarize (a request asking for it without one is a 400
+    naming X-Run-Context-Policy, proxy/server/context.py)."""
+    where = "context"
+    if not isinstance(section, dict):
+        raise ConfigError("context: expected a table")
+    _only(section, where, {*_CONTEXT_INTS, "summary_model", "growth_alert"})
+    values: dict[str, Any] = {
+        key: _int(section, where, key, minimum=minimum)
+        for key, minimum in _CONTEXT_INTS.items()
+        if key in section
+    }
+    model = _str(section, where, "summary_model")
+    if model is not None:
+        values["summary_model"] = model.strip()
+    alert = _number(section, where, "growth_alert", positive=True)
+    if alert is not None:
+        if alert < 1:
+            raise ConfigError(
+                "context.growth_alert: expected a factor ≥ 1 (4 = four times the first step), "
+                f"got {section['growth_alert']!r}"
+            )
+        values["growth_alert"] = float(alert)
+    settings = ContextSettings(**values)
+    if not settings.summary_model:
+        for name, task in tasks.items():
+            if "summarize" in task.context_policy:
+                raise ConfigError(
+                    f'context.summary_model: required, since [tasks."{name}"] context_policy uses summarize '
+                    "(the model that writes the summaries)"
+                )
+    return settings
 
 
 def _caps(section: Mapping[str, Any]) -> CapsConfig:
@@ -589,14 +676,14 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
     allowed = {
         f"{kind}_{cap}"
         for kind in ("default", "ceiling")
-        for cap in ("max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s")
+        for cap in ("max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s", "max_context_tokens")
     } | {"allow_unpriced", "min_output_tokens", "default_output_tokens", "max_run_seconds"}
     _only(section, where, allowed)
     values: dict[str, Any] = {}
     for kind in ("default", "ceiling"):
         usd = _number(section, where, f"{kind}_max_usd")
         values[f"{kind}_max_usd_nanos"] = usd_to_nanos(usd) if usd is not None else None
-        for cap in ("max_tokens", "max_steps", "max_tool_calls"):
+        for cap in ("max_tokens", "max_steps", "max_tool_calls", "max_context_tokens"):
             values[f"{kind}_{cap}"] = _int(section, where, f"{kind}_{cap}")
         timeout = _number(section, where, f"{kind}_timeout_s", positive=True)
         values[f"{kind}_timeout_s"] = float(timeout) if timeout is not None else None

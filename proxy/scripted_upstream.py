@@ -52,6 +52,11 @@ Steps (dicts in scripts, validated into `Step`):
                               Anthropic answers and stream events, no usage in chat/completions
                               answers nor a usage chunk in their streams, `usage: null` in Responses
     input_tokens: int         report this many input tokens instead of the computed count
+    fetch: {handle, offset, length} or a list of them   call runcap's `runcap_fetch` tool (before
+                              any `tool_calls`): `handle` is an index into the distinct
+                              `runcap:sha256/<hex>` handles the request's text shows, in order of
+                              appearance (past the end: a handle that matches nothing), or a
+                              literal handle string; `offset` and `length` are passed as given
     cache_read_tokens, cache_write_tokens, reasoning_tokens: int
 
 Stored Responses, as the provider keeps them: a response not created with `store: false` keeps
@@ -79,9 +84,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import math
+import re
 import secrets
 import struct
 import time
@@ -174,6 +181,8 @@ class Step:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     reasoning_tokens: int = 0
+    # `runcap_fetch` calls to make: (handle index or literal, offset, length)
+    fetch: tuple[tuple[int | str, int | None, int | None], ...] = ()
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Step:
@@ -214,6 +223,15 @@ class Step:
         end = raw.get("end_after_events")
         if end is not None and (isinstance(end, bool) or not isinstance(end, int)):
             raise ValueError(f"step 'end_after_events' must be an integer: {end!r}")
+        fetches = raw.get("fetch") or ()
+        if isinstance(fetches, Mapping):
+            fetches = (fetches,)
+        fetch = []
+        for spec in fetches:
+            handle = spec.get("handle", 0) if isinstance(spec, Mapping) else None
+            if not isinstance(handle, int | str) or isinstance(handle, bool):
+                raise ValueError(f"step 'fetch' needs a handle index or string: {spec!r}")
+            fetch.append((handle, spec.get("offset"), spec.get("length")))
         return cls(
             text=raw.get("text"),
             text_tokens=raw.get("text_tokens"),
@@ -236,6 +254,7 @@ class Step:
             cache_read_tokens=raw.get("cache_read_tokens", 0),
             cache_write_tokens=raw.get("cache_write_tokens", 0),
             reasoning_tokens=raw.get("reasoning_tokens", 0),
+            fetch=tuple(fetch),
         )
 
 
@@ -262,6 +281,7 @@ _STEP_KEYS = frozenset(
         "cache_read_tokens",
         "cache_write_tokens",
         "reasoning_tokens",
+        "fetch",
     }
 )
 
@@ -328,6 +348,7 @@ class RecordedRequest:
     # reads/writes). Set even when the stream was cut before the usage was sent; None for errors.
     usage: Usage | None = None
     received_at: float = field(default_factory=time.time)
+    raw: bytes = b""  # the body's bytes as received
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -463,6 +484,41 @@ def _prompt_tokens(value: Any) -> int:
             return len(value)
         return sum(_prompt_tokens(v) for v in value)
     return 0
+
+
+# --------------------------------------------------------------------------- runcap_fetch
+
+FETCH_TOOL = "runcap_fetch"
+_HANDLE = re.compile(rb"runcap:sha256/[0-9a-f]{64}")
+_UNKNOWN_HANDLE = "runcap:sha256/" + "0" * 64
+
+
+def handles_in(body: Any) -> list[str]:
+    """The distinct `runcap:sha256/<hex>` handles a request's text shows, in order."""
+    seen: dict[str, None] = {}
+    for match in _HANDLE.findall(orjson.dumps(body)):
+        seen.setdefault(match.decode(), None)
+    return list(seen)
+
+
+def _with_fetches(step: Step, body: Any) -> Step:
+    """`step` with its `fetch` entries turned into `runcap_fetch` calls on handles of `body`."""
+    if not step.fetch:
+        return step
+    handles = handles_in(body)
+    calls = []
+    for ref, offset, length in step.fetch:
+        if isinstance(ref, int):
+            handle = handles[ref] if -len(handles) <= ref < len(handles) else _UNKNOWN_HANDLE
+        else:
+            handle = ref
+        args: dict[str, Any] = {"handle": handle}
+        if offset is not None:
+            args["offset"] = offset
+        if length is not None:
+            args["length"] = length
+        calls.append(ScriptedToolCall(FETCH_TOOL, orjson.dumps(args).decode(), args))
+    return dataclasses.replace(step, tool_calls=(*calls, *step.tool_calls))
 
 
 # --------------------------------------------------------------------------- turn counting
@@ -839,6 +895,7 @@ class ScriptedUpstream:
             headers={k.lower(): v for k, v in request.headers.items()},
             body=body,
             script=request.headers.get(SCRIPT_HEADER, DEFAULT_SCRIPT),
+            raw=raw,
         )
         if self.record:
             self.requests.append(rec)
@@ -855,7 +912,7 @@ class ScriptedUpstream:
                 SCRIPT_HEADER,
             )
         rec.step = turns
-        return self._step(rec.script, turns)
+        return _with_fetches(self._step(rec.script, turns), rec.body)
 
     async def _run(self, rec: RecordedRequest, coro: Awaitable[web.StreamResponse]) -> web.StreamResponse:
         """Track in-flight requests and client disconnects around one handler body."""

@@ -69,6 +69,7 @@ def test_run_headers_as_dict() -> None:
     h = RunHeaders(
         "ticket-4711", task="refunds", max_usd=0.5, max_tokens=10_000, max_steps=20, max_tool_calls=5,
         timeout_s=300, deadline=datetime(2026, 1, 2, 15, 4, 5, 123000, tzinfo=UTC),
+        max_context_tokens=64_000, context_policy="offload,summarize",
     )  # fmt: skip
     assert h.as_dict() == {
         "X-Run-Id": "ticket-4711",
@@ -79,6 +80,8 @@ def test_run_headers_as_dict() -> None:
         "X-Run-Max-Tool-Calls": "5",
         "X-Run-Deadline": "2026-01-02T15:04:05.123Z",
         "X-Run-Timeout": "300",
+        "X-Run-Max-Context-Tokens": "64000",
+        "X-Run-Context-Policy": "offload,summarize",
     }
     assert RunHeaders("r", max_usd=Decimal("1.25")).max_usd == "1.25"
     assert RunHeaders("r", deadline=1767366245).as_dict()["X-Run-Deadline"] == "1767366245.000"
@@ -89,6 +92,7 @@ def test_run_headers_as_dict() -> None:
         {"run_id": "has space"}, {"run_id": "x" * 129}, {"run_id": "r", "max_usd": "lots"},
         {"run_id": "r", "max_usd": -1}, {"run_id": "r", "max_steps": -1}, {"run_id": "r", "max_steps": 2.5},
         {"run_id": "r", "timeout_s": 0}, {"run_id": "r", "deadline": datetime(2026, 1, 1)},
+        {"run_id": "r", "max_context_tokens": -5}, {"run_id": "r", "context_policy": "compress"},
     ):  # fmt: skip
         with pytest.raises(ValueError):
             RunHeaders(**bad)
@@ -211,6 +215,15 @@ async def test_anthropic_rejections(runcap, upstream):  # type: ignore[no-untype
     with pytest.raises(anthropic.APIStatusError) as e:
         await c.messages.create(model="claude-sonnet-4-5", max_tokens=10, messages=USER, extra_headers=h)
     assert isinstance(rejection_from_error(e.value), RunCancelled)
+    # a step over its context cap: the run goes on, the agent must shorten its context
+    small = RunHeaders("an-context", max_context_tokens=3).as_dict()
+    with pytest.raises(anthropic.APIStatusError) as e:
+        await c.messages.create(
+            model="claude-sonnet-4-5", max_tokens=10, extra_headers=small,
+            messages=[{"role": "user", "content": "five words in this message"}],
+        )  # fmt: skip
+    r = rejection_from_error(e.value)
+    assert isinstance(r, BudgetExceeded) and r.cap == "max_context_tokens" and r.run_id == "an-context"
 
 
 # -- rejections from /tools ----------------------------------------------------------------------

@@ -34,8 +34,10 @@ from proxy.server.budget import BudgetStep
 from proxy.server.cancel import CancelPropagation
 from proxy.server.connections import ConnectionGuard, ConnectionLimits
 from proxy.server.connections import run_app as run_guarded
+from proxy.server.context import ContextStep
 from proxy.server.flow import Flights, FlowStep
 from proxy.server.forward import Forwarder
+from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics, MetricsStep
 from proxy.server.ops import OpsRoutes
 from proxy.server.reconcile import IdempotencyAdmin
@@ -189,12 +191,16 @@ def build_app(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
             auto_decompress=True,
         )
-        steps: list[FlowStep] = [BudgetStep(config, ledger, rt.prices, metrics), MetricsStep(metrics)]
+        budget = BudgetStep(config, ledger, rt.prices, metrics)
+        # The context step first: a policy's rewrite and the context cap come before any reservation.
+        inner = InnerCalls()  # runcap's own calls within a run: fetch continuations, summaries
+        context = ContextStep(config.context, config.caps, budget.history, metrics, inner=inner)
+        steps: list[FlowStep] = [context, budget, MetricsStep(metrics)]
         if config.tracing:
             steps.append(TraceStep(spans.recorder))
         if config.log_requests:
             steps.append(AccessLogStep())
-        rt.forwarder = Forwarder(config, rt.session, steps, rt.flights, metrics)
+        rt.forwarder = Forwarder(config, rt.session, steps, rt.flights, metrics, inner=inner)
         await ledger.recover()
         metrics.watch_ledger(ledger)
         ledger.start()  # writes the ledger could not take (settlements...) are retried from now on

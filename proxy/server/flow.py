@@ -24,6 +24,7 @@ from aiohttp import web
 
 from proxy.caps import RunRequest
 from proxy.config import UpstreamConfig
+from proxy.context import ContextReading, Rewrite
 from proxy.ledger.base import Reservation, RunState
 from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
 from proxy.server.upstream_url import UpstreamTarget
@@ -69,6 +70,13 @@ class Flow:
     error: str = ""
     # Why the call was cut, when it was: "deadline" or "cancel" (set by whoever cut it).
     cut_reason: str | None = None
+    # A context policy rewrote the request (proxy/context); None: forwarded as the agent sent it.
+    rewrite: Rewrite | None = None
+    # The call runcap made itself on the agent's behalf (a `runcap_fetch` continuation, a
+    # summary): a step of the run like any other, but its answer goes back to runcap.
+    inner: bool = False
+    # What runcap measured of the request's context (proxy/server/context.py); None: not measured.
+    context: ContextReading | None = None
 
     @property
     def flavor(self) -> str:

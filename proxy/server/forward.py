@@ -20,6 +20,8 @@ from multidict import CIMultiDict
 
 from proxy.caps import parse_run_headers
 from proxy.config import Config, UpstreamConfig
+from proxy.context.fetch import answer_fetches
+from proxy.context.stream import sse_answer
 from proxy.errors import (
     BudgetExceeded,
     DeadlineExceeded,
@@ -34,6 +36,7 @@ from proxy.providers.registry import adapter_for
 from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights, Flow, FlowStep
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
+from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
 from proxy.server.upstream_url import UpstreamTarget
 
@@ -64,12 +67,16 @@ class Forwarder:
         steps: Sequence[FlowStep],
         flights: Flights,
         metrics: Metrics,
+        inner: InnerCalls | None = None,
     ) -> None:
         self.config = config
         self.session = session
         self.steps = list(steps)
         self.flights = flights
         self.metrics = metrics
+        # runcap's own model calls within a run (`runcap_fetch` continuations, summaries).
+        self.inner = inner if inner is not None else InnerCalls()
+        self.inner.bind(self)
         # Streams are captured for the payload store only when it keeps bodies at all.
         self.capture_limit = 0 if config.payloads == "off" else config.payload_max_bytes
 
@@ -149,6 +156,9 @@ class Forwarder:
         return rej.response(flow.flavor, headers)
 
     # -- the upstream exchange --------------------------------------------------------------
+
+    def upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
+        return self._upstream_headers(flow)
 
     def _upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
         key = flow.upstream.api_key
@@ -230,7 +240,42 @@ class Forwarder:
                 log.warning("could not read %s response from %s: %s", flow.endpoint, flow.upstream.name, e)
         for step in self.steps:
             await step.response(flow)
+        rewrite = flow.rewrite
+        if rewrite is not None and rewrite.fetch_tool and upstream.status < 400 and not flow.inner:
+            return await self._fetch_loop(flow, upstream, body)
         return web.Response(status=upstream.status, body=body, headers=self._reply_headers(flow, upstream))
+
+    async def _fetch_loop(self, flow: Flow, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
+        """A request with `runcap_fetch` added (proxy/context/fetch.py): runcap answers the model's
+        fetches itself, continuing with the upstream, and the agent gets only the final answer — as
+        the stream it asked for, when it asked for one (proxy/context/stream.py)."""
+        rewrite, adapter = flow.rewrite, flow.adapter
+        assert rewrite is not None and adapter is not None
+        try:
+            first = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            first = None
+        if not isinstance(first, dict):
+            return web.Response(
+                status=upstream.status, body=body, headers=self._reply_headers(flow, upstream)
+            )
+        try:
+            answer = await answer_fetches(flow, first, self.inner)
+        except Rejection as rej:
+            # An inner call refused (a cap, the deadline) or the upstream gone: the agent's request
+            # gets runcap's usual answer for it; the calls made so far are settled and traced.
+            flow.status = rej.status
+            self.metrics.rejections.labels(rej.code or rej.type).inc()
+            return rej.response(flow.flavor, {"X-Run-Id": flow.run.run_id} if flow.run else {})
+        headers = self._reply_headers(flow, upstream)
+        headers.update(answer.reply_headers)
+        flow.status = answer.status
+        out = body if answer.body is None else answer.body
+        if answer.response is not None and rewrite.agent_stream:
+            out = sse_answer(adapter.name, answer.response, include_usage=rewrite.agent_stream_usage)
+            headers["Content-Type"] = "text/event-stream; charset=utf-8"
+            headers["Cache-Control"] = "no-cache"
+        return web.Response(status=answer.status, body=out, headers=headers)
 
     def _reply_headers(self, flow: Flow, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
         out = response_headers(upstream.headers)

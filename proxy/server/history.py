@@ -102,6 +102,20 @@ class ConversationMemory:
             bound += item_bound
         return min(bound, info.input_token_bound)
 
+    def known_prefix(self, run_id: str, info: RequestInfo) -> tuple[int, int] | None:
+        """(the previous call's exact input tokens, how many history items it sent) when this
+        request extends that call's history (same context, same first items); else None. The
+        exact part of a lower bound: what the provider counted for that prefix last time
+        (proxy/server/context.py)."""
+        last = self._runs.get(run_id)
+        history = info.history
+        if last is None or not info.context or last.context != info.context or len(history) < len(last.items):
+            return None
+        for item, digest in zip(history, last.items, strict=False):
+            if _digest(item) != digest:
+                return None
+        return last.input_tokens, len(last.items)
+
     def remember(self, run_id: str, info: RequestInfo, usage: Usage, response: ResponseInfo) -> None:
         """A call settled with the provider's own usage: keep what the next call can build on."""
         if response.response_id and info.stored_context != "server-side":

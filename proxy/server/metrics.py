@@ -42,6 +42,7 @@ _LATENCY_BUCKETS = (
     60,
     120,
 )
+_CONTEXT_BUCKETS = (1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 200000, 400000, 1000000)
 _LEDGER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25)
 
 
@@ -89,6 +90,17 @@ class Metrics:
             "runcap_tool_replays", "Side-effecting tool calls answered from their idempotency record.",
             ["tool"], registry=r,
         )  # fmt: skip
+        self.context_tokens = Histogram(
+            "runcap_context_tokens",
+            "Input tokens of each answered model step (its context), as the provider counted them.",
+            buckets=_CONTEXT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.context_growth_alerts = Counter(
+            "runcap_context_growth_alerts",
+            "Runs whose context grew past [context] growth_alert times their first step's "
+            "(counted once per run by the process that saw it happen).",
+            registry=r,
+        )
         self.tool_unknown = Counter(
             "runcap_tool_unknown_outcomes",
             "Side-effecting tool calls cut in flight (cancel, timeout, reset): outcome unknown "

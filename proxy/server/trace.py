@@ -11,6 +11,7 @@ agent received whole is on record even if runcap is killed right after.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -20,7 +21,7 @@ from proxy.hashing import args_hash, canonical_json, result_hash
 from proxy.ledger.base import RunState
 from proxy.money import NANOS_PER_USD
 from proxy.server.flow import Flow
-from proxy.spans.model import RunSnapshot, Span
+from proxy.spans.model import Payload, RunSnapshot, Span
 from proxy.spans.recorder import SpanRecorder, sha256_hex
 
 # Per (run, tool call id), this process remembers the tool calls it saw requested (their step and
@@ -41,6 +42,13 @@ def utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, UTC)
 
 
+@functools.lru_cache(maxsize=4096)
+def usd(nanos: int) -> Decimal:
+    """Dollars of `nanos`, exact (a Decimal is immutable: one object per amount is shared). Cached:
+    caps, and the costs of calls alike, repeat from step to step and run to run."""
+    return Decimal(nanos) / NANOS_PER_USD
+
+
 def run_snapshot(state: RunState) -> RunSnapshot:
     caps = state.caps
     return RunSnapshot(
@@ -53,8 +61,8 @@ def run_snapshot(state: RunState) -> RunSnapshot:
         tool_calls=state.tool_calls,
         input_tokens=state.input_tokens,
         output_tokens=state.output_tokens,
-        cost_usd=Decimal(state.spent_usd_nanos) / NANOS_PER_USD,
-        max_usd=None if caps.max_usd_nanos is None else Decimal(caps.max_usd_nanos) / NANOS_PER_USD,
+        cost_usd=usd(state.spent_usd_nanos),
+        max_usd=None if caps.max_usd_nanos is None else usd(caps.max_usd_nanos),
         max_tokens=caps.max_tokens,
         max_steps=caps.max_steps,
         max_tool_calls=caps.max_tool_calls,
@@ -68,6 +76,41 @@ def tool_result_hash(content: Any) -> str:
     if isinstance(content, str):
         return result_hash(content.encode("utf-8", "surrogatepass"))
     return sha256_hex(canonical_json(content))
+
+
+def context_record(
+    flow: Flow, rec: SpanRecorder, attributes: dict[str, str], is_error: bool
+) -> list[Payload]:
+    """The context reading and any rewrite of a model call, as span attributes (`context.*`),
+    and the bodies the payload store keeps for a rewrite: the request as the agent sent it (its
+    hash in `context.original_request_hash`; `request_hash` is the one forwarded) and each tool
+    result taken out of band (under the hash its handle names)."""
+    reading, rewrite = flow.context, flow.rewrite
+    if reading is not None:
+        if reading.tokens:
+            attributes["context.tokens"] = str(reading.tokens)
+            attributes["context.growth"] = f"{reading.growth:.3f}"
+        attributes["context.tokens_lower"] = str(reading.lower)
+        attributes["context.tool_output_share"] = f"{reading.tool_output_share:.4f}"
+        if reading.cap is not None:
+            attributes["context.max_tokens"] = str(reading.cap)
+    if rewrite is None:
+        return []
+    bodies = []
+    original = rec.body(rewrite.original_body, is_error=is_error)
+    attributes["context.policy"] = rewrite.policy
+    attributes["context.original_request_hash"] = original.sha256 if original is not None else ""
+    attributes["context.removed_bytes"] = str(rewrite.removed_bytes)
+    attributes["context.removed_tokens"] = str(rewrite.removed_tokens)
+    if original is not None:
+        bodies.append(original)
+    if rewrite.handles:
+        attributes["context.handles"] = ",".join(sorted(rewrite.handles))
+    for data in rewrite.handles.values():
+        body = rec.body(data, is_error=is_error)
+        if body is not None:
+            bodies.append(body)
+    return bodies
 
 
 class TraceStep:
@@ -107,6 +150,7 @@ class TraceStep:
             attributes["final_step"] = "true"
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
+        bodies.extend(context_record(flow, rec, attributes, is_error))
         model_span = Span(
             run_id=flow.run.run_id,
             kind="model",
@@ -126,7 +170,7 @@ class TraceStep:
             cache_read_tokens=usage.cache_read_tokens if usage else 0,
             cache_write_tokens=usage.cache_write_tokens if usage else 0,
             reasoning_tokens=usage.reasoning_tokens if usage else 0,
-            cost_usd=Decimal(flow.cost_nanos) / NANOS_PER_USD,
+            cost_usd=usd(flow.cost_nanos),
             price_known=flow.price_known,
             request_hash=request_body.sha256 if request_body is not None else "",
             response_hash=response_body.sha256 if response_body is not None else "",
@@ -161,6 +205,9 @@ class TraceStep:
                         kind="tool_result",
                         step=call_step,
                         started_at=started,
+                        # the status of the call whose request carried the result, as tool_call
+                        # spans carry the status of the response they were seen in
+                        status_code=flow.status,
                         outcome="error" if result.is_error else "ok",
                         tool_name=tool_name,
                         tool_call_id=result.tool_call_id,

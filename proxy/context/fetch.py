@@ -1,0 +1,275 @@
+"""`runcap_fetch`: runcap answers the model's reads of offloaded results itself.
+
+When a policy added the fetch tool to a request (`Rewrite.fetch_tool`), the forwarding core
+hands the upstream's answer to `answer_fetches` before the agent sees anything:
+
+* only `runcap_fetch` calls: runcap reads each handle (the request's own offloaded results,
+  else the payload store, for a handle from an older request), appends the model's turn and the
+  results to the request in its wire format and calls the upstream again — an inner call, a step
+  of the run like any other (reserved, capped, settled, traced) — at most `max_fetch_calls`
+  rounds; the agent gets the final answer only.
+* `runcap_fetch` mixed with the agent's own tool calls: the fetch calls are dropped from the
+  answer and the agent gets its own calls. Answering the fetches first would make the model
+  answer again and possibly change (or repeat) the calls it already chose; the handle stays in
+  the context, so the model can ask again at its next step.
+* rounds used up: the fetch calls are dropped from the last answer likewise.
+
+The agent never sees a `runcap_fetch` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from proxy.config import Config
+from proxy.context import FETCH_TOOL, HANDLE_PREFIX
+from proxy.context.conversation import items_key
+from proxy.context.offload import FETCH_DEFAULT_LENGTH, FETCH_MAX_LENGTH
+from proxy.errors import UpstreamUnavailable
+from proxy.providers.base import ToolCall
+
+if TYPE_CHECKING:
+    from proxy.server.flow import Flow
+    from proxy.server.inner import InnerCalls
+
+log = logging.getLogger("runcap.context")
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+class HandleStore:
+    """Handles of results offloaded by older requests: read from the payload store (where the
+    signal step stores `Rewrite.handles`), opened on first use, read off the event loop."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._store: Any = None
+
+    async def get(self, digest: str) -> bytes | None:
+        if self.config.payloads == "off" or not self.config.tracing:
+            return None
+        try:
+            return await asyncio.to_thread(self._get, digest)
+        except (KeyError, ValueError):
+            return None
+        except Exception:
+            log.exception("runcap_fetch: reading %s from the payload store failed", digest)
+            return None
+
+    def _get(self, digest: str) -> bytes:
+        if self._store is None:
+            from proxy.spans.payloads import open_payload_store
+
+            self._store = open_payload_store(self.config.s3_url, self.config.data_dir)
+        data: bytes = self._store.get(digest)
+        return data
+
+
+async def read_handle(arguments: str, handles: dict[str, bytes], store: HandleStore | None) -> str:
+    """The text `runcap_fetch(handle, offset, length)` returns to the model (errors included:
+    the model reads them and can correct its call)."""
+    try:
+        args = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return f"{FETCH_TOOL} error: arguments are not valid JSON: {arguments[:200]!r}"
+    if not isinstance(args, dict) or not isinstance(args.get("handle"), str):
+        return f'{FETCH_TOOL} error: give the handle as a string, e.g. {{"handle": "{HANDLE_PREFIX}<hex>"}}'
+    handle = args["handle"].strip()
+    offset, length = args.get("offset", 0), args.get("length", FETCH_DEFAULT_LENGTH)
+    if offset is None:
+        offset = 0
+    if length is None:
+        length = FETCH_DEFAULT_LENGTH
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        return f"{FETCH_TOOL} error: offset must be a non-negative integer, got {offset!r}"
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        return f"{FETCH_TOOL} error: length must be a positive integer, got {length!r}"
+    length = min(length, FETCH_MAX_LENGTH)
+    digest = handle.removeprefix(HANDLE_PREFIX).lower()
+    data = handles.get(digest)
+    if data is None and _DIGEST.fullmatch(digest) and store is not None:
+        data = await store.get(digest)
+    if data is None:
+        return (
+            f"{FETCH_TOOL} error: unknown handle {handle!r}. Use a handle exactly as printed in a "
+            f"shortened tool result ({HANDLE_PREFIX}<64 hex digits>)."
+        )
+    size = len(data)
+    if offset >= size:
+        return f"[{FETCH_TOOL} {handle}: offset {offset} is at or past the end; the result has {size} bytes]"
+    start, end = offset, min(size, offset + length)
+    # Whole characters only: start after, and end before, a UTF-8 continuation byte.
+    while start < end and data[start] & 0xC0 == 0x80:
+        start += 1
+    while start < end < size and data[end] & 0xC0 == 0x80:
+        end -= 1
+    try:
+        text = data[start:end].decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        text = data[start:end].decode("utf-8", "replace")
+    return f"[{FETCH_TOOL} {handle} bytes {start}-{end} of {size}]\n{text}"
+
+
+# -- the wire formats ------------------------------------------------------------------------
+
+
+def continuation(
+    endpoint: str, body: dict[str, Any], response: dict[str, Any], results: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """`body` continued by the model's answer `response` and the results of its calls (a new
+    dict: `body` is not changed)."""
+    out = dict(body)
+    key = items_key(endpoint)
+    items = body.get(key)
+    if endpoint == "responses":
+        history = [{"role": "user", "content": items}] if isinstance(items, str) else list(items or ())
+        history.extend(response.get("output") or ())
+        history.extend(
+            {"type": "function_call_output", "call_id": cid, "output": text} for cid, text in results
+        )
+    elif endpoint == "chat.completions":
+        message = response["choices"][0]["message"]
+        turn: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            turn["tool_calls"] = message["tool_calls"]
+        history = [*(items or ()), turn]
+        history.extend({"role": "tool", "tool_call_id": cid, "content": text} for cid, text in results)
+    else:
+        history = [*(items or ()), {"role": "assistant", "content": response.get("content") or []}]
+        history.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": cid, "content": text} for cid, text in results
+                ],
+            }
+        )
+    out[key] = history
+    return out
+
+
+def strip_fetch_calls(endpoint: str, response: dict[str, Any]) -> dict[str, Any]:
+    """`response` without its `runcap_fetch` calls (a copy), its stop reason adjusted when no
+    tool call is left."""
+    out = dict(response)
+    if endpoint == "chat.completions":
+        choices = []
+        for choice in response.get("choices") or ():
+            message = choice.get("message") if isinstance(choice, dict) else None
+            if not isinstance(message, dict) or not message.get("tool_calls"):
+                choices.append(choice)
+                continue
+            calls = [c for c in message["tool_calls"] if _chat_call_name(c) != FETCH_TOOL]
+            message = dict(message)
+            choice = dict(choice)
+            if calls:
+                message["tool_calls"] = calls
+            else:
+                message.pop("tool_calls", None)
+                if choice.get("finish_reason") == "tool_calls":
+                    choice["finish_reason"] = "stop"
+                if message.get("content") is None:
+                    message["content"] = ""
+            choice["message"] = message
+            choices.append(choice)
+        out["choices"] = choices
+    elif endpoint == "responses":
+        out["output"] = [
+            item
+            for item in response.get("output") or ()
+            if not (
+                isinstance(item, dict)
+                and item.get("type") == "function_call"
+                and item.get("name") == FETCH_TOOL
+            )
+        ]
+    else:
+        content = [
+            block
+            for block in response.get("content") or ()
+            if not (
+                isinstance(block, dict)
+                and block.get("type") == "tool_use"
+                and block.get("name") == FETCH_TOOL
+            )
+        ]
+        out["content"] = content
+        if out.get("stop_reason") == "tool_use" and not any(
+            isinstance(b, dict) and b.get("type") == "tool_use" for b in content
+        ):
+            out["stop_reason"] = "end_turn"
+    return out
+
+
+def _chat_call_name(call: Any) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    return fn.get("name", "") if isinstance(fn, dict) else ""
+
+
+def _single_answer(endpoint: str, response: dict[str, Any]) -> bool:
+    """A continuation is built from one answer (chat: one choice)."""
+    if endpoint != "chat.completions":
+        return True
+    choices = response.get("choices")
+    return isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)
+
+
+# -- the loop --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class FetchAnswer:
+    """What the agent gets: `body` (None: the upstream's first answer, unchanged) with `status`,
+    and the run headers of the last inner call (its step, what is left of the caps)."""
+
+    status: int
+    body: bytes | None
+    response: dict[str, Any] | None
+    reply_headers: dict[str, str] = field(default_factory=dict)
+    rounds: int = 0
+
+
+async def answer_fetches(flow: Flow, first: dict[str, Any], inner: InnerCalls) -> FetchAnswer:
+    """Run the fetch loop for `flow`'s upstream answer `first`. Raises a `Rejection` when an inner
+    call is refused (a cap, the deadline) or the upstream cannot be reached."""
+    rewrite, adapter = flow.rewrite, flow.adapter
+    assert rewrite is not None and adapter is not None and flow.body_json is not None
+    endpoint = adapter.name
+    response, body = first, flow.body_json
+    changed = False
+    rounds = 0
+    reply_headers: dict[str, str] = {}
+    while True:
+        calls: list[ToolCall] = adapter.parse_response(response).tool_calls
+        fetches = [c for c in calls if c.name == FETCH_TOOL]
+        if not fetches:
+            break
+        if (
+            len(fetches) < len(calls)
+            or rounds >= rewrite.max_fetch_calls
+            or not _single_answer(endpoint, response)
+        ):
+            response = strip_fetch_calls(endpoint, response)
+            changed = True
+            break
+        results = [
+            (c.id, await read_handle(c.arguments, rewrite.handles, inner.handle_store)) for c in fetches
+        ]
+        body = continuation(endpoint, body, response, results)
+        child, parsed = await inner.call(flow, body)
+        rounds += 1
+        reply_headers = dict(child.reply_headers)
+        if parsed is None:
+            if child.upstream_status == 0:
+                raise UpstreamUnavailable(child.error or f"upstream '{flow.upstream.name}' failed")
+            # The upstream's own error, passed through as for any call.
+            return FetchAnswer(child.status, child.response_body or b"", None, reply_headers, rounds)
+        response = parsed
+        changed = True
+    return FetchAnswer(200, orjson.dumps(response) if changed else None, response, reply_headers, rounds)
