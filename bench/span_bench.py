@@ -12,6 +12,9 @@
    proxy process's CPU per request (utime + stime from /proc), and the shipper's, reported apart.
    Each scenario runs `--rounds` on/off pairs (who goes first alternates) and reports medians: on
    a shared two-core machine one pair can be off by ±20 %.
+   The closed loops also run tracing on with the shipper paused (SIGSTOP for the run, SIGCONT
+   after; it then ships what the run appended): the request path's own cost — TraceStep, the
+   record, the WAL write — apart from the shipper's competition for the same cores.
    After the load: the RSS and threads of the proxy and of the shipper (embedded chdb), and the
    shipper's RSS with a ClickHouse server (the HTTP fixture) instead.
 3. With `--baseline DIR` (another checkout, e.g. the revision before the WAL): both trees' proxies,
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -208,16 +212,28 @@ def bench_proxy(duration: float, tmp: Path, rounds: int = 3) -> list[dict[str, A
                 ("open 500 req/s", {"rate": 500.0}),
             ):
                 samples: dict[str, list[dict[str, Any]]] = {"direct": [], "tracing_on": [], "tracing_off": []}
+                closed = "rate" not in kw
+                if closed:
+                    samples["tracing_on_shipper_paused"] = []
                 for round_ in range(rounds):  # on/off alternate who goes first: the machine drifts
-                    if "rate" in kw:
+                    if not closed:
                         samples["direct"].append(
                             summarize(run_subprocess(direct, BODY, {}, duration_s=duration, **kw))
                         )
-                    for tracing in (True, False) if round_ % 2 == 0 else (False, True):
+                    variants: list[tuple[bool, bool]] = [(True, False), (False, False)]
+                    if closed:
+                        variants.append((True, True))
+                    for tracing, paused in variants if round_ % 2 == 0 else variants[::-1]:
                         wait_shipped(tmp / "data-True")  # the shipper is idle again
                         url = f"http://127.0.0.1:{ports[tracing]}/v1/chat/completions"
                         cpu0, ship0 = cpu_s(pids[tracing]), cpu_s(shipper)
-                        r = run_subprocess(url, BODY, headers, duration_s=duration, **kw)
+                        if paused:
+                            os.kill(shipper, signal.SIGSTOP)
+                        try:
+                            r = run_subprocess(url, BODY, headers, duration_s=duration, **kw)
+                        finally:
+                            if paused:
+                                os.kill(shipper, signal.SIGCONT)
                         sample = {
                             **summarize(r),
                             "proxy_cpu_ms_per_req": round(
@@ -229,7 +245,8 @@ def bench_proxy(duration: float, tmp: Path, rounds: int = 3) -> list[dict[str, A
                             sample["shipper_cpu_ms_per_req"] = round(
                                 (cpu_s(shipper) - ship0) * 1000 / max(1, r.count), 3
                             )
-                        samples["tracing_on" if tracing else "tracing_off"].append(sample)
+                        key = "tracing_on_shipper_paused" if paused else "tracing_on"
+                        samples[key if tracing else "tracing_off"].append(sample)
                 row: dict[str, Any] = {"scenario": f"{name}, {headers_name}", "rounds": rounds}
                 for key, runs in samples.items():
                     if runs:
@@ -249,6 +266,11 @@ def bench_proxy(duration: float, tmp: Path, rounds: int = 3) -> list[dict[str, A
                     ]
                     row["throughput_ratio_on_off"] = round(statistics.median(ratios), 3)
                     row["throughput_ratios"] = [round(x, 3) for x in ratios]
+                    paused = samples["tracing_on_shipper_paused"]
+                    offs = samples["tracing_off"]
+                    paused_ratios = [on["rate"] / off["rate"] for on, off in zip(paused, offs, strict=True)]
+                    row["throughput_ratio_on_shipper_paused_off"] = round(statistics.median(paused_ratios), 3)
+                    row["throughput_ratios_shipper_paused"] = [round(x, 3) for x in paused_ratios]
                 row["samples"] = samples
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "samples"}), flush=True)

@@ -49,7 +49,10 @@ class RecordError(ValueError):
 
 def _default(value: Any) -> Any:
     if isinstance(value, Decimal):
-        return format(value, "f")  # fixed point, trailing zeros kept: never "1E-9"
+        # fixed point, trailing zeros kept: never "1E-9". `str` is the same string whenever it
+        # has no exponent (the usual case: costs of a few cents) and less than half the work.
+        text = str(value)
+        return format(value, "f") if "E" in text or "e" in text else text
     raise TypeError(f"cannot encode {type(value).__name__} in a WAL record")
 
 
