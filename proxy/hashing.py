@@ -28,9 +28,14 @@ def _normalise(value: Any) -> Any:
 
 
 def canonical_json(value: Any) -> bytes:
-    return json.dumps(
-        _normalise(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    """Raises ValueError for what has no canonical form: NaN/Infinity, or nesting deeper than
+    Python's recursion limit (a parser may take 1,024 levels; this walk cannot)."""
+    try:
+        return json.dumps(
+            _normalise(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode("utf-8")
+    except RecursionError:
+        raise ValueError("nested too deep to canonicalise") from None
 
 
 def _sha256(data: bytes) -> str:
@@ -41,7 +46,7 @@ def parse_json(raw: bytes | str) -> tuple[bool, Any]:
     """(True, value) when `raw` is JSON, else (False, None)."""
     try:
         return True, json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # too deep: not JSON runcap can read
         return False, None
 
 

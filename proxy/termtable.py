@@ -26,7 +26,14 @@ GAP = "  "
 # A free-text value is cut no shorter than this (or its header): enough to recognise it.
 MIN_TEXT_WIDTH = 24
 _IDENTIFIER_SUFFIXES = ("_id", "_key", "_hash")
-_CONTROL = {ord(c): " " for c in "\n\r\t\v\f"}
+# What reaches the operator's terminal is text from agents, models and upstreams (errors, model and
+# tool names): control characters (C0, DEL, C1 — ESC sequences could move the cursor, hide rows or
+# write the clipboard) and bidi overrides are shown as U+FFFD; line and tab breaks as a space.
+_CONTROL = {
+    **{c: "\ufffd" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))},
+    **{c: "\ufffd" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))},
+    **{ord(c): " " for c in "\n\r\t\v\f"},
+}
 
 
 def terminal_width(stream: TextIO | None = None) -> int | None:

@@ -55,6 +55,9 @@ async def test_malformed_run_header_is_400_naming_it(runcap, upstream, header, v
         (b'{"model": "gpt-4o-mini", "messages": "hi"}', "messages"),
         (b'{"model": "gpt-4o-mini", "messages": [], "max_tokens": -5}', "max_tokens"),
         (b'{"model": "gpt-4o-mini", "messages": [], "stream": "yes"}', "stream"),
+        # within the JSON parser's 1,024 levels, past what a recursive reader can walk (was a 500)
+        (b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": [{"type": "text", '
+         b'"text": "hi", "x": ' + b'{"c": ' * 1000 + b"1" + b"}" * 1000 + b"}]}]}", "nested deeper"),
     ],
 )
 async def test_unparseable_body_is_400(runcap, upstream, body, needle):  # type: ignore[no-untyped-def]
@@ -153,3 +156,18 @@ def test_config_errors_name_the_setting(tmp_path):  # type: ignore[no-untyped-de
         build_config({}, {"RUNCAP_CLICKHOUSE_URL": "clickhouse:9000"})
     with pytest.raises(ConfigError, match="RUNCAP_LISTEN"):
         build_config({}, {"RUNCAP_LISTEN": "x"})
+
+
+def test_json_nested_past_the_recursion_limit_hashes_as_bytes() -> None:
+    """A tool body or MCP arguments nested deeper than a recursive walk can go (a 500 before):
+    the hash is of the raw bytes, as for anything that is not JSON runcap can read."""
+    import hashlib
+
+    import orjson
+
+    from proxy.hashing import args_hash, canonical_json
+
+    raw = b'{"c": ' * 1000 + b"1" + b"}" * 1000
+    assert args_hash(raw) == hashlib.sha256(raw).hexdigest()
+    with pytest.raises(ValueError, match="nested too deep"):
+        canonical_json(orjson.loads(raw))

@@ -200,3 +200,13 @@ def test_the_query_list_wraps_to_the_terminal(
     whole = capsys.readouterr().out.splitlines()
     assert len(whole) < len(wrapped)
     assert " ".join(" ".join(whole).split()) == " ".join(" ".join(wrapped).split())  # the same words
+
+
+def test_control_characters_never_reach_the_terminal() -> None:
+    """Errors, model and tool names come from agents, models and upstreams: an ESC sequence (cursor
+    moves, OSC 52 clipboard writes), a C1 control or a bidi override is shown as U+FFFD."""
+    hostile = "gpt\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2A\x9b31m\u202etxt.exe"
+    lines = format_table(["model", "outcome"], [[hostile, "ok"]], width=120)
+    text = "\n".join(lines)
+    assert not any(c in text for c in "\x1b\x07\x9b\u202e")
+    assert lines[2].startswith("gpt\ufffd]52;c;cm0gLXJmIH4=\ufffd\ufffd[2A\ufffd31m\ufffdtxt.exe")

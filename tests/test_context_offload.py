@@ -209,12 +209,16 @@ async def test_mixed_calls_unknown_handles_and_the_round_limit(
     assert upstream.last.body and len(_run_all(upstream, "mixed")) == 1
 
     # An unknown handle: the model is told so, and goes on.
-    status, answer, _ = await _post(
+    status, answer, headers = await _post(
         rc, fmt, body, {"X-Mock-Script": "unknown", "X-Run-Context-Policy": "offload"}
     )
     assert status == 200 and _shown_tools(fmt, answer) == []
     results = tool_result_texts(fmt, upstream.last.body)
     assert results[-1].startswith(f"{FETCH_TOOL} error: unknown handle 'runcap:sha256/{'0' * 64}'")
+    # No X-Run-Id: still one run of two steps (the agent's call and runcap's continuation), in the
+    # ledger — not two one-step runs each decided in memory.
+    assert headers["X-Run-Step"] == "2"
+    assert (await rc.run(headers["X-Run-Id"]))["steps"] == 2
 
     # A model that only ever fetches: two rounds (max_fetch_calls), then its answer without them.
     status, answer, headers = await _post(
@@ -304,7 +308,9 @@ async def test_fetch_steps_are_traced_and_older_handles_are_read_from_the_payloa
             await asyncio.sleep(0.05)
     else:
         raise AssertionError("the offloaded result never reached the payload store")
-    # ...where a later request that no longer carries it reads it from.
+    # ...but a handle is a capability of the request that offloaded it, not a key to the store:
+    # a later request that does not carry that result (another conversation, a prompt naming a
+    # hash seen in a span or injected by a tool's output) cannot read it.
     later = _history("chat", 4, 4096)
     for m in later["messages"]:
         if m.get("role") == "tool":
@@ -313,11 +319,10 @@ async def test_fetch_steps_are_traced_and_older_handles_are_read_from_the_payloa
         {"fetch": {"handle": HANDLE_PREFIX + digest, "length": 12}},
         {"text": "ok"},
     ]
-    status, answer, _ = await _post(rc, "chat", later, {**h, "X-Mock-Script": "later"})
+    status, answer, _ = await _post(rc, "chat", later, {**h, "X-Run-Id": "other", "X-Mock-Script": "later"})
     assert status == 200
-    assert tool_result_texts("chat", upstream.last.body)[-1] == (
-        f"[{FETCH_TOOL} {HANDLE_PREFIX}{digest} bytes 0-12 of {len(page0)}]\n" + page0[:12].decode()
-    )
+    refused = tool_result_texts("chat", upstream.last.body)[-1]
+    assert refused.startswith(f"{FETCH_TOOL} error: unknown handle") and page0[:12].decode() not in refused
 
 
 async def _wait_rows(rc: Any, query: str, want: int) -> list[dict[str, Any]]:

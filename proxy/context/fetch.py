@@ -3,8 +3,12 @@
 When a policy added the fetch tool to a request (`Rewrite.fetch_tool`), the forwarding core
 hands the upstream's answer to `answer_fetches` before the agent sees anything:
 
-* only `runcap_fetch` calls: runcap reads each handle (the request's own offloaded results,
-  else the payload store, for a handle from an older request), appends the model's turn and the
+* only `runcap_fetch` calls: runcap reads each handle from the results this request had taken
+  out of band (`Rewrite.handles`) — never from the payload store: a handle is a capability of the
+  request that offloaded it, not a content address any prompt could name (the store holds every
+  run's and tenant's bodies; a handle seen in a span, or injected by a tool's output, must not
+  open them). The agent resends its history, so every handle its model was shown is offloaded
+  again, and readable, in each later request. Then runcap appends the model's turn and the
   results to the request in its wire format and calls the upstream again — an inner call, a step
   of the run like any other (reserved, capped, settled, traced) — at most `max_fetch_calls`
   rounds; the agent gets the final answer only.
@@ -19,15 +23,12 @@ The agent never sees a `runcap_fetch` call.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from proxy.config import Config
 from proxy.context import FETCH_TOOL, HANDLE_PREFIX
 from proxy.context.conversation import items_key
 from proxy.context.offload import FETCH_DEFAULT_LENGTH, FETCH_MAX_LENGTH
@@ -40,38 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runcap.context")
 
-_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
-class HandleStore:
-    """Handles of results offloaded by older requests: read from the payload store (where the
-    signal step stores `Rewrite.handles`), opened on first use, read off the event loop."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self._store: Any = None
-
-    async def get(self, digest: str) -> bytes | None:
-        if self.config.payloads == "off" or not self.config.tracing:
-            return None
-        try:
-            return await asyncio.to_thread(self._get, digest)
-        except (KeyError, ValueError):
-            return None
-        except Exception:
-            log.exception("runcap_fetch: reading %s from the payload store failed", digest)
-            return None
-
-    def _get(self, digest: str) -> bytes:
-        if self._store is None:
-            from proxy.spans.payloads import open_payload_store
-
-            self._store = open_payload_store(self.config.s3_url, self.config.data_dir)
-        data: bytes = self._store.get(digest)
-        return data
-
-
-async def read_handle(arguments: str, handles: dict[str, bytes], store: HandleStore | None) -> str:
+def read_handle(arguments: str, handles: dict[str, bytes]) -> str:
     """The text `runcap_fetch(handle, offset, length)` returns to the model (errors included:
     the model reads them and can correct its call)."""
     try:
@@ -93,12 +65,10 @@ async def read_handle(arguments: str, handles: dict[str, bytes], store: HandleSt
     length = min(length, FETCH_MAX_LENGTH)
     digest = handle.removeprefix(HANDLE_PREFIX).lower()
     data = handles.get(digest)
-    if data is None and _DIGEST.fullmatch(digest) and store is not None:
-        data = await store.get(digest)
     if data is None:
         return (
             f"{FETCH_TOOL} error: unknown handle {handle!r}. Use a handle exactly as printed in a "
-            f"shortened tool result ({HANDLE_PREFIX}<64 hex digits>)."
+            f"shortened tool result of this conversation ({HANDLE_PREFIX}<64 hex digits>)."
         )
     size = len(data)
     if offset >= size:
@@ -259,7 +229,7 @@ async def answer_fetches(flow: Flow, first: dict[str, Any], inner: InnerCalls) -
             changed = True
             break
         results = [
-            (c.id, await read_handle(c.arguments, rewrite.handles, inner.handle_store)) for c in fetches
+            (c.id, read_handle(c.arguments, rewrite.handles)) for c in fetches
         ]
         body = continuation(endpoint, body, response, results)
         child, parsed = await inner.call(flow, body)

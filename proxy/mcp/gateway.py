@@ -579,7 +579,10 @@ class MCPGateway:
         tool = server.tools.get(name)
         side_effects = self.catalog.side_effects(server, name)
         call.attributes["mcp.side_effects"] = "true" if side_effects else "false"
-        canonical_args = canonical_json(arguments)
+        try:
+            canonical_args = canonical_json(arguments)
+        except ValueError as e:
+            raise InvalidRequest(f"tools/call: params.arguments: {e}", param="params.arguments") from None
         call.args_hash = sha256_hex(canonical_args)
         qualified = f"mcp:{server.name}/{name}"
         if side_effects:
@@ -824,7 +827,12 @@ class MCPGateway:
             data = dumps(error)
             call.outcome, call.error = "error", str(error.get("message", ""))[:500]
             recorded = {"content-type": MCP_ERROR_TYPE}
-        call.result_hash = sha256_hex(canonical_json(message.get("result", message.get("error"))))
+        outcome = message.get("result", message.get("error"))
+        try:
+            canonical = canonical_json(outcome)
+        except ValueError:  # no canonical form (nested too deep): the bytes as relayed
+            canonical = dumps(outcome)
+        call.result_hash = sha256_hex(canonical)
         call.response_hash = self.recorder.payload(
             dumps(message), is_error=call.outcome != "ok", content_type=JSON
         )

@@ -124,10 +124,12 @@ class BudgetStep:
             allow_unpriced=self.caps.allow_unpriced,
             counts_as_step=flow.adapter.name != "embeddings",
         )
-        if nothing_to_enforce(run.generated, run.caps):
+        if nothing_to_enforce(run.generated, run.caps) and flow.rewrite is None and not flow.inner:
             # Its own one-step run with no cap: nothing to reserve against, nothing to recover
             # after a crash — decided in memory, no ledger transaction (the same decision and run
-            # state as a ledger's: the span and the run row do not change).
+            # state as a ledger's: the span and the run row do not change). Not so when a context
+            # policy makes calls of its own for it (a summary, `runcap_fetch` continuations): those
+            # are steps of the same run, counted together in the ledger.
             res = begin_unledgered_step(req)
             self._apply_reservation(flow, res)
             return

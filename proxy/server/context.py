@@ -174,7 +174,14 @@ class ContextStep:
             from proxy.context.policy import apply_policies  # the rewrite half (proxy/context/)
 
             await apply_policies(flow, policies, self.settings, self.inner)
-        reading = measure(flow, self.memory)
+        try:
+            reading = measure(flow, self.memory)
+        except RecursionError:
+            raise InvalidRequest(
+                "request body: nested deeper than runcap reads (messages and content blocks nest a "
+                "few levels; this body nests hundreds)",
+                param="body",
+            ) from None
         reading.policies = policies
         reading.cap = flow.run.caps.max_context_tokens
         flow.context = reading

@@ -144,6 +144,13 @@ class Forwarder:
                 flow.info = flow.adapter.parse_request(body)
             except BodyError as e:
                 raise InvalidRequest(str(e), param="body") from None
+            except RecursionError:
+                # orjson takes up to 1024 levels; the readers recurse (a 500 was the answer)
+                raise InvalidRequest(
+                    "request body: nested deeper than runcap reads (messages and content blocks "
+                    "nest a few levels; this body nests hundreds)",
+                    param="body",
+                ) from None
         for step in self.steps:
             await step.request(flow)
 

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 
-from proxy.context.fetch import HandleStore
 from proxy.context.summarize import SummaryCache
 from proxy.errors import BudgetExceeded, DeadlineExceeded, InvalidRequest, Rejection, RunCancelled
 from proxy.providers.base import BodyError
@@ -43,16 +42,14 @@ _OUTCOMES = {
 class InnerCalls:
     """Bound to the forwarder once it exists (`bind`): it owns the steps and the upstream session.
     Also holds what such calls produce for later requests of the same runs: the summaries
-    (`summaries`) and the reader of offloaded results (`handle_store`)."""
+    (`summaries`)."""
 
     def __init__(self) -> None:
         self._forwarder: Forwarder | None = None
         self.summaries = SummaryCache()
-        self.handle_store: HandleStore | None = None
 
     def bind(self, forwarder: Forwarder) -> None:
         self._forwarder = forwarder
-        self.handle_store = HandleStore(forwarder.config)
 
     async def call(self, parent: Flow, body: dict[str, Any]) -> tuple[Flow, dict[str, Any] | None]:
         """One unstreamed call of `body` to `parent`'s upstream and endpoint, as a step of its run.
@@ -147,8 +144,13 @@ class InnerCalls:
     async def _done(self, child: Flow) -> None:
         fw = self._forwarder
         assert fw is not None
+        cancelled: asyncio.CancelledError | None = None
         for step in fw.steps:
             try:
                 await step.done(child)
+            except asyncio.CancelledError as e:
+                cancelled = e  # the other steps still run: the call is settled, its span recorded
             except Exception:
                 log.exception("step %s failed after runcap's own call", type(step).__name__)
+        if cancelled is not None:
+            raise cancelled

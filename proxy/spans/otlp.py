@@ -348,7 +348,10 @@ class OTLPSink:
     def _agent_spans(self, spans: Sequence[Span], runs: Sequence[RunSnapshot]) -> dict[str, ReadableSpan]:
         """The `invoke_agent` spans of the runs this batch shows ended for the first time."""
         sent = self._agents_sent
-        ended = {r.run_id: r for r in runs if r.status in ENDED_STATUSES and r.run_id not in sent}
+        ended: dict[str, RunSnapshot] = {}
+        for r in runs:  # the first snapshot of the batch that shows the run ended
+            if r.status in ENDED_STATUSES and r.run_id not in sent:
+                ended.setdefault(r.run_id, r)
         if not ended:
             return {}
         steps: dict[str, list[Span]] = {}
