@@ -317,10 +317,14 @@ _tmp_ids = itertools.count()
 
 
 def _touch(path: Path | str) -> bool:
-    """Refresh the file's time (retention counts from a body's latest store); False when absent."""
+    """Refresh the file's time (retention counts from a body's latest store); False when absent.
+    Most bodies are new: `access` answers that without raising (a failed `utime` and its
+    exception were a fifth of the payload writer's time)."""
+    if not os.access(path, os.F_OK):
+        return False
     try:
         os.utime(path)
-    except FileNotFoundError:
+    except FileNotFoundError:  # removed by retention in between
         return False
     return True
 
