@@ -170,3 +170,39 @@ async def test_concurrent_requests_of_a_run_share_one_summary(
     assert len(forwarded) == 2 and forwarded[0] == forwarded[1]
     assert "the summary" in str(forwarded[0]["messages"])
     assert (await rc.run("twice"))["steps"] == 3
+
+
+async def test_an_operators_cancel_cuts_the_summary_call(
+    upstream: ScriptedUpstream, runcap_factory: Callable[..., Any]
+) -> None:
+    """The summary is a model call of the run: a cancel cuts it as it cuts the agent's own, and the
+    agent's request is answered `run_cancelled` at once, not when the summary is done."""
+    rc = await runcap_factory({"context": {**CONTEXT, "summary_model": "gpt-4o-mini"}})
+    upstream.scripts["slow-summary"] = [{"text": "a summary", "delay_s": 60}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+    for i in range(12):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": TOOL, "arguments": "{}"}}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "page " * 1500},
+        ]
+    body = {"model": "gpt-4o-mini", "messages": messages}
+    h = {"X-Run-Id": "cut-summary", "X-Mock-Script": "slow-summary", "X-Run-Context-Policy": "summarize"}
+    async with aiohttp.ClientSession() as s:
+        sent = asyncio.create_task(s.post(f"{rc.url}/v1/chat/completions", json=body, headers=h))
+        for _ in range(300):
+            if upstream.in_flight:
+                break
+            await asyncio.sleep(0.02)
+        assert upstream.in_flight == 1 and _is_summary_call("chat", upstream.requests[-1].body)
+        async with s.post(f"{rc.url}/runs/cut-summary/cancel", headers=rc.admin) as r:
+            assert r.status == 200
+        answer = await asyncio.wait_for(sent, 20)
+        status, err = answer.status, await answer.json()
+    assert status == 410 and err["error"]["type"] == "run_cancelled", err
+    for _ in range(100):  # the upstream saw the summary call cut
+        if not upstream.in_flight:
+            break
+        await asyncio.sleep(0.05)
+    assert upstream.in_flight == 0
+    assert len(upstream.requests) == 1  # nothing was forwarded after the cut

@@ -89,14 +89,29 @@ class Forwarder:
         reply: web.StreamResponse | None = None
         try:
             try:
-                await self._prepare(flow, clients)
+                await self._read(flow, clients)
             except Rejection as rej:
                 return self._reject(flow, rej)
             task = asyncio.current_task()
             assert task is not None and flow.run is not None
+            # In flight from here: an operator's cancel also cuts what the steps do before the
+            # call (a context policy's summary call is a model call of its own).
             self.flights.add(flow.run.run_id, task, flow)
             self.metrics.in_flight.inc()
             try:
+                try:
+                    for step in self.steps:
+                        await step.request(flow)
+                except Rejection as rej:
+                    return self._reject(flow, rej)
+                except asyncio.CancelledError:
+                    if flow.cut_reason != "cancel":
+                        raise  # shutting down
+                    task.uncancel()
+                    return self._reject(flow, RunCancelled(
+                        f"run {flow.run.run_id} was cancelled while runcap prepared this call; it was "
+                        "not sent. Start a new run to continue"
+                    ))  # fmt: skip
                 reply = await self._exchange(flow)
                 return reply
             finally:
@@ -117,7 +132,8 @@ class Forwarder:
                 with contextlib.suppress(ConnectionResetError, RuntimeError):
                     await reply.write_eof()
 
-    async def _prepare(self, flow: Flow, clients: ClientAuth) -> None:
+    async def _read(self, flow: Flow, clients: ClientAuth) -> None:
+        """The run's headers and the body, read and checked (the steps' request hooks follow)."""
         request = flow.request
         flow.run = parse_run_headers(
             request.headers,
@@ -151,8 +167,6 @@ class Forwarder:
                     "nest a few levels; this body nests hundreds)",
                     param="body",
                 ) from None
-        for step in self.steps:
-            await step.request(flow)
 
     def _reject(self, flow: Flow, rej: Rejection) -> web.Response:
         flow.status = rej.status
