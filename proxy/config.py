@@ -45,19 +45,12 @@ PAYLOAD_MODES = ("off", "errors", "all")
 
 
 @dataclass(frozen=True, slots=True)
-class UpstreamConfig:
+class Endpoint:
+    """What runcap forwards to — an upstream, a tool service, an MCP server: a name and a URL,
+    split once into the base every forwarded path is built on (server/upstream_url.py)."""
+
     name: str
     url: str  # scheme://host[:port][/base-path], no trailing slash
-    flavor: str  # wire format family: "openai" (and OpenAI-compatible) or "anthropic"
-    api_key: str | None = None  # resolved from api_key_env; replaces the agent's credentials
-    # Write `max_tokens` rather than `max_completion_tokens` when runcap sets an output limit the
-    # client did not: OpenAI-compatible servers (vLLM, Ollama, ...) know the older field.
-    legacy_output_limit: bool = False
-    # Endpoints (decoded upstream paths, `*` = one segment) that may be POSTed unmetered while a
-    # run has a dollar or token cap: the operator vouches that they cost nothing.
-    passthrough_allow: tuple[str, ...] = ()
-
-    # `url` split once: the base every forwarded path is built on (server/upstream_url.py).
     base: Base = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -69,25 +62,25 @@ class UpstreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolConfig:
-    name: str
-    url: str
+class UpstreamConfig(Endpoint):
+    flavor: str  # wire format family: "openai" (and OpenAI-compatible) or "anthropic"
+    api_key: str | None = None  # resolved from api_key_env; replaces the agent's credentials
+    # Write `max_tokens` rather than `max_completion_tokens` when runcap sets an output limit the
+    # client did not: OpenAI-compatible servers (vLLM, Ollama, ...) know the older field.
+    legacy_output_limit: bool = False
+    # Endpoints (decoded upstream paths, `*` = one segment) that may be POSTed unmetered while a
+    # run has a dollar or token cap: the operator vouches that they cost nothing.
+    passthrough_allow: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolConfig(Endpoint):
     side_effects: bool | None = None  # None: by method (POST/PUT/PATCH/DELETE have side effects)
     key_fields: tuple[str, ...] | None = None
     timeout_s: float | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     # Agent headers this tool may receive although they are credentials (lower-case names).
     forward_headers: tuple[str, ...] = ()
-
-    @property
-    def display_url(self) -> str:
-        return redact_url(self.url)
-
-    # `url` split once: the base every forwarded path is built on (server/upstream_url.py).
-    base: Base = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "base", Base.parse(self.url))
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,25 +722,13 @@ class MCPToolConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class MCPServerConfig:
-    name: str
-    url: str  # the server's Streamable HTTP endpoint
+class MCPServerConfig(Endpoint):  # url: the server's Streamable HTTP endpoint
     headers: Mapping[str, str] = field(default_factory=dict)  # added to every request
     # Agent headers this server may receive although they are credentials (lower-case names).
     forward_headers: tuple[str, ...] = ()
     timeout_s: float | None = None  # each tools/call's own limit (the run's deadline applies too)
     deny: tuple[str, ...] = ()  # hidden from tools/list, refused on call
     tools: Mapping[str, MCPToolConfig] = field(default_factory=dict)
-
-    # `url` split once: the base every forwarded request is built on (server/upstream_url.py).
-    base: Base = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "base", Base.parse(self.url))
-
-    @property
-    def display_url(self) -> str:
-        return redact_url(self.url)
 
     def tool(self, name: str) -> MCPToolConfig | None:
         return self.tools.get(name)
