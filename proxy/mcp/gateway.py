@@ -94,10 +94,10 @@ from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
-from proxy.server.toolcalls import ToolCall, ToolCallLedger, ToolClient, record_tool_call, remaining_time
+from proxy.server.toolcalls import ToolCall, ToolClient, ToolRoute, record_tool_call, remaining_time
 from proxy.server.tools import ToolResponseTooLarge, read_bounded, tool_run_headers
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
-from proxy.spans.recorder import NullRecorder, SpanRecorder
+from proxy.spans.recorder import SpanRecorder
 
 log = logging.getLogger("runcap.mcp")
 
@@ -146,7 +146,7 @@ class StreamEnd:
 # -- the gateway --------------------------------------------------------------------------------
 
 
-class MCPGateway:
+class MCPGateway(ToolRoute):
     def __init__(
         self,
         config: Config,
@@ -157,15 +157,8 @@ class MCPGateway:
         recorder: SpanRecorder | None = None,
         clients: ClientAuth | None = None,
     ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.flights = flights
-        self.metrics = metrics
-        self.recorder: SpanRecorder = recorder or NullRecorder()
-        self.clients = clients or ClientAuth({})
-        self.calls = ToolCallLedger(ledger, metrics)
+        super().__init__(config, ledger, flights, metrics, client, recorder, clients)
         self.catalog = ToolCatalog()
-        self.client = client
         self._notices: set[asyncio.Task[None]] = set()  # notifications/cancelled being sent
 
     def add_to(self, app: web.Application) -> None:

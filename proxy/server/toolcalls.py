@@ -18,12 +18,15 @@ import aiohttp
 from aiohttp import web
 
 from proxy.caps import RunRequest
+from proxy.config import Config
 from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, ToolTimeout
 from proxy.ledger.base import Ledger, RunState, ToolCallRequest, ToolCallStart
+from proxy.server.auth import ClientAuth
+from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
 from proxy.server.trace import run_snapshot
 from proxy.spans.model import Payload, Span
-from proxy.spans.recorder import SpanRecorder
+from proxy.spans.recorder import NullRecorder, SpanRecorder
 
 log = logging.getLogger("runcap.tools")
 
@@ -59,6 +62,31 @@ class ToolClient:
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+class ToolRoute:
+    """What `/tools/{name}` (server/tools.py) and `/mcp/{name}` (mcp/gateway.py) are built on: the
+    ledger's side of a tool call, the shared tool-side pool, the span recorder, the client
+    tokens, and the in-flight calls a cancel can cut."""
+
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        flights: Flights,
+        metrics: Metrics,
+        client: ToolClient,
+        recorder: SpanRecorder | None = None,
+        clients: ClientAuth | None = None,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.flights = flights
+        self.metrics = metrics
+        self.client = client
+        self.recorder: SpanRecorder = recorder or NullRecorder()
+        self.clients = clients or ClientAuth({})
+        self.calls = ToolCallLedger(ledger, metrics)
 
 
 @dataclass(slots=True, eq=False)

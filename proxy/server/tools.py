@@ -35,7 +35,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.caps import RunRequest, parse_run_headers
-from proxy.config import Config, ToolConfig
+from proxy.config import ToolConfig
 from proxy.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -47,16 +47,12 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
-from proxy.ledger.base import IdempotencyRecord, Ledger, RunState, ToolCallRequest
-from proxy.server.auth import ClientAuth
-from proxy.server.flow import Flights
+from proxy.ledger.base import IdempotencyRecord, RunState, ToolCallRequest
 from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
-from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
-from proxy.server.toolcalls import ToolCall, ToolCallLedger, ToolClient, record_tool_call, remaining_time
+from proxy.server.toolcalls import ToolCall, ToolRoute, record_tool_call, remaining_time
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
-from proxy.spans.recorder import NullRecorder, SpanRecorder
 
 log = logging.getLogger("runcap.tools")
 
@@ -122,26 +118,7 @@ def tool_run_headers(state: RunState, now: float) -> dict[str, str]:
     return headers
 
 
-class ToolGateway:
-    def __init__(
-        self,
-        config: Config,
-        ledger: Ledger,
-        flights: Flights,
-        metrics: Metrics,
-        client: ToolClient,
-        recorder: SpanRecorder | None = None,
-        clients: ClientAuth | None = None,
-    ) -> None:
-        self.config = config
-        self.clients = clients or ClientAuth({})
-        self.ledger = ledger
-        self.flights = flights
-        self.metrics = metrics
-        self.recorder: SpanRecorder = recorder or NullRecorder()
-        self.client = client
-        self.calls = ToolCallLedger(ledger, metrics)
-
+class ToolGateway(ToolRoute):
     def add_to(self, app: web.Application) -> None:
         app.router.add_route("*", "/tools/{name}", self.handle)
         app.router.add_route("*", "/tools/{name}/{tail:.*}", self.handle)
