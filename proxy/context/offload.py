@@ -14,6 +14,7 @@ every later request. The agent's body is not mutated: changed items are copies.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,27 +113,33 @@ def offload(body: dict[str, Any], endpoint: str, settings: ContextSettings) -> O
     else:
         cutoff = starts[-keep]  # results of the last `keep` turns come after this item
     handles: dict[str, bytes] = {}
-    new_items: list[Any] | None = None
-    for i in range(cutoff):
-        item = items[i]
-        if not isinstance(item, dict):
-            continue
-        replaced = _offload_item(item, endpoint, settings, handles)
-        if replaced is not None:
-            if new_items is None:
-                new_items = list(items)
-            new_items[i] = replaced
-    if new_items is None:
+    older = _copy_on_write(items[:cutoff], lambda item: _offload_item(item, endpoint, settings, handles))
+    if older is None:
         return None
     new_body = dict(body)
-    new_body[items_key(endpoint)] = new_items
+    new_body[items_key(endpoint)] = [*older, *items[cutoff:]]
     new_body["tools"] = [*(body.get("tools") or ()), fetch_tool_definition(endpoint)]
     return Offloaded(new_body, handles)
 
 
+def _copy_on_write(seq: list[Any], replace: Callable[[Any], Any | None]) -> list[Any] | None:
+    """`seq` with every element `replace` gives a value for replaced by that value; None when
+    there is none (the agent's body is never changed: a copy is made at the first replacement)."""
+    out: list[Any] | None = None
+    for i, value in enumerate(seq):
+        replaced = replace(value)
+        if replaced is not None:
+            if out is None:
+                out = list(seq)
+            out[i] = replaced
+    return out
+
+
 def _offload_item(
-    item: dict[str, Any], endpoint: str, settings: ContextSettings, handles: dict[str, bytes]
+    item: Any, endpoint: str, settings: ContextSettings, handles: dict[str, bytes]
 ) -> dict[str, Any] | None:
+    if not isinstance(item, dict):
+        return None
     if endpoint == "chat.completions":
         if item.get("role") != "tool":
             return None
@@ -145,14 +152,12 @@ def _offload_item(
     content = item.get("content")
     if item.get("role") != "user" or not isinstance(content, list):
         return None
-    new_content: list[Any] | None = None
-    for j, block in enumerate(content):
-        if isinstance(block, dict) and block.get("type") == "tool_result":
-            replaced = _replace(block, "content", settings, handles)
-            if replaced is not None:
-                if new_content is None:
-                    new_content = list(content)
-                new_content[j] = replaced
+    new_content = _copy_on_write(
+        content,
+        lambda block: _replace(block, "content", settings, handles)
+        if isinstance(block, dict) and block.get("type") == "tool_result"
+        else None,
+    )
     if new_content is None:
         return None
     return {**item, "content": new_content}
