@@ -63,6 +63,8 @@ class ConversationMemory:
         # Output items of those answers (OpenAI responses) by id → the tokens one of them reads
         # back as at most (its answer's output), for `item_reference` input items.
         self._items: OrderedDict[str, int] = OrderedDict()
+        # The last `_extended` answer: (request, the call it was checked against, the answer).
+        self._last_match: tuple[RequestInfo, _Call, _Call | None] | None = None
 
     def stored_tokens(self, stored_context: str) -> int | None:
         """Tokens of provider-stored input a request extends, when this process knows them all."""
@@ -80,20 +82,29 @@ class ConversationMemory:
             total += tokens
         return total
 
-    def bound(self, run_id: str, adapter: Adapter, info: RequestInfo) -> int:
+    def _extended(self, run_id: str, info: RequestInfo) -> _Call | None:
+        """The run's last call when this request's history starts with every item that call sent
+        (same context); else None. The context step and the budget step both ask for each
+        request: the items are digested once (the answer is kept for the same request and call)."""
         last = self._runs.get(run_id)
+        if last is None or not info.context or last.context != info.context:
+            return None
+        if len(info.history) < len(last.items):
+            return None
+        seen = self._last_match
+        if seen is not None and seen[0] is info and seen[1] is last:
+            return seen[2]
+        digests_match = all(_digest(item) == d for item, d in zip(info.history, last.items, strict=False))
+        match = last if digests_match else None
+        self._last_match = (info, last, match)
+        return match
+
+    def bound(self, run_id: str, adapter: Adapter, info: RequestInfo) -> int:
+        last = self._extended(run_id, info)
         history = info.history
-        if (
-            last is None
-            or not info.context
-            or last.context != info.context
-            or len(history) <= len(last.items)
-        ):
+        if last is None or len(history) <= len(last.items):
             return info.input_token_bound
         prefix = len(last.items)
-        for item, digest in zip(history, last.items, strict=False):
-            if _digest(item) != digest:
-                return info.input_token_bound
         bound = last.input_tokens
         for i, item in enumerate(history[prefix:]):
             item_bound, key = adapter.history_item(item)
@@ -107,14 +118,8 @@ class ConversationMemory:
         request extends that call's history (same context, same first items); else None. The
         exact part of a lower bound: what the provider counted for that prefix last time
         (proxy/server/context.py)."""
-        last = self._runs.get(run_id)
-        history = info.history
-        if last is None or not info.context or last.context != info.context or len(history) < len(last.items):
-            return None
-        for item, digest in zip(history, last.items, strict=False):
-            if _digest(item) != digest:
-                return None
-        return last.input_tokens, len(last.items)
+        last = self._extended(run_id, info)
+        return None if last is None else (last.input_tokens, len(last.items))
 
     def remember(self, run_id: str, info: RequestInfo, usage: Usage, response: ResponseInfo) -> None:
         """A call settled with the provider's own usage: keep what the next call can build on."""
