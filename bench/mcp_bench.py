@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from bench.loadgen import percentile
-from bench.proxy_bench import free_port, start, stop_all
+from bench.proxy_bench import cpu_s, free_port, start, stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 20  # calls to each url before the measured ones
@@ -47,12 +46,6 @@ HEADERS = {
     "Accept": "application/json, text/event-stream",
     "MCP-Protocol-Version": "2025-11-25",
 }
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def initialize(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> dict[str, str]:
@@ -165,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind in ("read-only", "side-effecting", "replayed"):
             run_id = f"bench-{secrets.token_hex(4)}"
             row: dict[str, Any] = {"kind": kind, "rate": args.rate, "answers": "sse" if args.sse else "json"}
-            cpu_before = cpu_seconds(procs[1].pid)
+            cpu_before = cpu_s(procs[1].pid)
             if kind == "replayed":
                 [row["runcap"]] = asyncio.run(open_loop([proxied], kind, args.rate, args.duration, run_id))
             else:
@@ -173,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["direct"], row["runcap"] = both
             # CPU runcap spent per call (warm-up included): a figure the machine's noise barely moves.
             calls = row["runcap"]["ok"] + row["runcap"]["errors"] + WARMUP
-            row["runcap_cpu_ms_per_call"] = round((cpu_seconds(procs[1].pid) - cpu_before) * 1000 / calls, 3)
+            row["runcap_cpu_ms_per_call"] = round((cpu_s(procs[1].pid) - cpu_before) * 1000 / calls, 3)
             if (
                 "direct" in row
                 and row["direct"]["p50_ms"] is not None

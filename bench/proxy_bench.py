@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cpu_s(pid: int) -> float:
+    """User + system CPU time of a process so far, in seconds (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 

@@ -43,14 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import run_subprocess
-from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, free_port, start, stop_all, summarize, wait_port
+from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, cpu_s, free_port, start, stop_all, summarize, wait_port
 from proxy.spans.clickhouse import open_span_store
 from proxy.spans.control import ShipperClient, ShipperUnavailable
 from proxy.spans.model import RunSnapshot, Span
 from proxy.spans.shipper import Shipper
 from proxy.spans.wal import WalWriter
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def synthetic_steps(n_spans: int) -> list[tuple[list[Span], RunSnapshot]]:
@@ -136,11 +134,6 @@ def bench_ingestion(n: int, batch_size: int, tmp: Path) -> list[dict[str, Any]]:
 
 
 # -- the proxy ---------------------------------------------------------------------------------------
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
 def memory(pid: int) -> dict[str, Any]:

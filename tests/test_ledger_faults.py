@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import secrets
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from proxy.pricing import PriceBook
 from proxy.scripted_upstream import ScriptedUpstream
 from tests.conftest import Runcap, RuncapProcess
 from tests.support.redis_server import RedisServer
+from tests.support.tmpfs import small_tmpfs
 from tests.support.tool_service import ToolService
 
 MODEL = "fault-model"
@@ -614,18 +614,8 @@ async def _no_pending(rc: Runcap) -> bool:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 20 MB tmpfs (root only), unmounted afterwards whatever happened."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "20m") as mount:
         yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def fill(path: Path) -> None:
