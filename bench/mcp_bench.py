@@ -19,7 +19,11 @@ Kinds of call:
 Every call through runcap carries `X-Run-Id` and `X-Run-Max-Tool-Calls`. Bounded: the number of
 calls is rate * duration, each with a 10 s timeout.
 
-    .venv/bin/python -m bench.mcp_bench [--rate 100] [--duration 10] [--sse] [--json out.json]
+With `--floor` a third path joins the alternation: `bench.relay_floor`, the smallest aiohttp relay
+(no parsing, no ledger), so the added latency splits into what any HTTP hop costs on this machine
+and what runcap's own work adds to it.
+
+    .venv/bin/python -m bench.mcp_bench [--rate 100] [--duration 10] [--sse] [--floor] [--json out.json]
 """
 
 from __future__ import annotations
@@ -136,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=100.0, help="calls per second (default 100)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per run (default 10)")
     ap.add_argument("--sse", action="store_true", help="a stateful server answering with SSE streams")
+    ap.add_argument("--floor", action="store_true", help="also measure the smallest aiohttp relay")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="runcap-mcp-bench-"))
-    mcp_port, rc_port = free_port(), free_port()
+    mcp_port, rc_port, floor_port = free_port(), free_port(), free_port()
     (tmp / "runcap.toml").write_text(
         f'log_requests = false\ntracing = false\n[mcp.crm]\nurl = "http://127.0.0.1:{mcp_port}/mcp"\n'
     )
@@ -155,18 +160,30 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(start(serve, rc_port, "runcap", tmp / "runcap.log"))
         direct = f"http://127.0.0.1:{mcp_port}/mcp"
         proxied = f"http://127.0.0.1:{rc_port}/mcp/crm"
+        floor = [f"http://127.0.0.1:{floor_port}/"] if args.floor else []
+        if args.floor:
+            relay = [sys.executable, "-m", "bench.relay_floor", "--port", str(floor_port)]
+            relay += ["--upstream", direct]
+            procs.append(start(relay, floor_port, "floor relay", tmp / "floor.log"))
         for kind in ("read-only", "side-effecting", "replayed"):
             run_id = f"bench-{secrets.token_hex(4)}"
             row: dict[str, Any] = {"kind": kind, "rate": args.rate, "answers": "sse" if args.sse else "json"}
             cpu_before = cpu_s(procs[1].pid)
+            floor_before = cpu_s(procs[2].pid) if floor else 0.0
             if kind == "replayed":
                 [row["runcap"]] = asyncio.run(open_loop([proxied], kind, args.rate, args.duration, run_id))
             else:
-                both = asyncio.run(open_loop([direct, proxied], kind, args.rate, args.duration, run_id))
-                row["direct"], row["runcap"] = both
+                urls = [direct, proxied, *floor]
+                paths = asyncio.run(open_loop(urls, kind, args.rate, args.duration, run_id))
+                row["direct"], row["runcap"] = paths[:2]
+                if floor:
+                    row["floor"] = paths[2]
             # CPU runcap spent per call (warm-up included): a figure the machine's noise barely moves.
             calls = row["runcap"]["ok"] + row["runcap"]["errors"] + WARMUP
             row["runcap_cpu_ms_per_call"] = round((cpu_s(procs[1].pid) - cpu_before) * 1000 / calls, 3)
+            if "floor" in row:
+                calls = row["floor"]["ok"] + row["floor"]["errors"] + WARMUP
+                row["floor_cpu_ms_per_call"] = round((cpu_s(procs[2].pid) - floor_before) * 1000 / calls, 3)
             if (
                 "direct" in row
                 and row["direct"]["p50_ms"] is not None
@@ -174,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 row["added_p50_ms"] = round(row["runcap"]["p50_ms"] - row["direct"]["p50_ms"], 3)
                 row["added_p99_ms"] = round(row["runcap"]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                if row.get("floor", {}).get("p50_ms") is not None:
+                    row["floor_added_p50_ms"] = round(row["floor"]["p50_ms"] - row["direct"]["p50_ms"], 3)
+                    row["floor_added_p99_ms"] = round(row["floor"]["p99_ms"] - row["direct"]["p99_ms"], 3)
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -182,13 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=2))
     print(
         f"\n{'kind':<16}{'direct p50/p99 ms':>20}{'runcap p50/p99 ms':>20}{'added p50/p99 ms':>20}"
-        f"{'runcap CPU/call':>17}"
+        f"{'runcap CPU/call':>17}{'floor relay added p50/p99, CPU':>34}"
     )
     for r in results:
         d = f"{r['direct']['p50_ms']}/{r['direct']['p99_ms']}" if "direct" in r else "-"
         p = f"{r['runcap']['p50_ms']}/{r['runcap']['p99_ms']}"
         a = f"{r['added_p50_ms']}/{r['added_p99_ms']}" if "added_p50_ms" in r else "-"
-        print(f"{r['kind']:<16}{d:>20}{p:>20}{a:>20}{r['runcap_cpu_ms_per_call']:>14} ms")
+        f_ = "-"
+        if "floor_added_p50_ms" in r:
+            f_ = f"{r['floor_added_p50_ms']}/{r['floor_added_p99_ms']}, {r['floor_cpu_ms_per_call']} ms"
+        print(f"{r['kind']:<16}{d:>20}{p:>20}{a:>20}{r['runcap_cpu_ms_per_call']:>14} ms{f_:>34}")
     return 0
 
 

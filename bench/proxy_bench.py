@@ -13,7 +13,11 @@ Scenarios (small bodies, non-streaming and streaming):
 Every request through runcap carries `X-Run-Max-Usd` (and no run id, so each request is a new
 run): the full reserve → forward → settle path with a ledger write on both sides.
 
-    .venv/bin/python -m bench.proxy_bench [--duration 10] [--workers 1] [--json out.json]
+    .venv/bin/python -m bench.proxy_bench [--duration 10] [--workers 1] [--floor] [--json out.json]
+
+`--floor` adds a third path to every non-streaming scenario: `bench.relay_floor`, the smallest
+aiohttp relay (no parsing, no ledger, no spans), and reports its added latency, throughput and CPU
+per request beside runcap's: the floor of any HTTP hop in Python on this machine.
 
 With `--baseline DIR` (another checkout of runcap, e.g. `git archive REV | tar -x -C DIR`) it
 compares the two trees instead, side by side in the same minutes: one `runcap serve` of each
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="20,200", help="open-loop rates (default 20,200)")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--floor", action="store_true", help="also measure the smallest aiohttp relay")
     ap.add_argument("--baseline", type=Path, help="compare this tree with that checkout, side by side")
     ap.add_argument("--tracing", choices=("on", "off"), default="off", help="with --baseline (default off)")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds per scenario (default 3)")
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return compare_trees(args)
 
     tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
-    up_port, rc_port = free_port(), free_port()
+    up_port, rc_port, floor_port = free_port(), free_port(), free_port()
     # The core proxy: caps and the ledger on, tracing off (bench/span_bench.py measures tracing).
     (tmp / "runcap.toml").write_text(
         f'log_requests = false\ntracing = false\n[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
@@ -136,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(start(serve, rc_port, "runcap", tmp / "runcap.log"))
         direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
         proxied = f"http://127.0.0.1:{rc_port}/v1/chat/completions"
-        # Warm both paths (connection pools, price book, SQLite pages).
-        for url in (direct, proxied):
+        floor = f"http://127.0.0.1:{floor_port}/v1/chat/completions" if args.floor else None
+        if args.floor:
+            relay = [sys.executable, "-m", "bench.relay_floor", "--port", str(floor_port)]
+            relay += ["--upstream", f"http://127.0.0.1:{up_port}"]
+            procs.append(start(relay, floor_port, "floor relay", tmp / "floor.log"))
+        # Warm the paths (connection pools, price book, SQLite pages).
+        for url in (direct, proxied, *([floor] if floor else [])):
             run_subprocess(url, BODY, CAP_HEADERS, concurrency=8, duration_s=1.0)
 
         scenarios: list[tuple[str, dict[str, Any]]] = []
@@ -155,15 +165,28 @@ def main(argv: list[str] | None = None) -> int:
         for name, kw in scenarios:
             body = {**BODY, "stream": kw["stream"]}
             d = run_subprocess(direct, body, {}, duration_s=args.duration, **kw)
+            cpu0 = cpu_s(procs[1].pid)
             p = run_subprocess(proxied, body, CAP_HEADERS, duration_s=args.duration, **kw)
             row = {"scenario": name, "direct": summarize(d), "runcap": summarize(p)}
+            row["runcap"]["cpu_ms_per_req"] = round((cpu_s(procs[1].pid) - cpu0) * 1000 / max(1, p.count), 3)
+            if floor and not kw["stream"]:
+                cpu0 = cpu_s(procs[2].pid)
+                f = run_subprocess(floor, body, {}, duration_s=args.duration, **kw)
+                row["floor"] = summarize(f)
+                floor_cpu = (cpu_s(procs[2].pid) - cpu0) * 1000 / max(1, f.count)
+                row["floor"]["cpu_ms_per_req"] = round(floor_cpu, 3)
             if "rate" in kw:
                 row["added_p50_ms"] = round(row["runcap"]["p50_ms"] - row["direct"]["p50_ms"], 3)
                 row["added_p99_ms"] = round(row["runcap"]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                if "floor" in row:
+                    row["floor_added_p50_ms"] = round(row["floor"]["p50_ms"] - row["direct"]["p50_ms"], 3)
+                    row["floor_added_p99_ms"] = round(row["floor"]["p99_ms"] - row["direct"]["p99_ms"], 3)
             else:
                 row["throughput_ratio"] = (
                     round(p.achieved_rate / d.achieved_rate, 3) if d.achieved_rate else None
                 )
+                if "floor" in row:
+                    row["floor_throughput_ratio"] = round(f.achieved_rate / d.achieved_rate, 3)
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -261,7 +284,7 @@ def _print_table(results: list[dict[str, Any]]) -> None:
     print()
     print(
         f"{'scenario':<24} {'direct p50/p99 ms':>18} {'runcap p50/p99 ms':>18} "
-        f"{'added p50/p99':>14} {'rate d/r':>16}"
+        f"{'added p50/p99':>14} {'rate d/r':>16} {'CPU ms/req':>10} {'floor relay: added or x, CPU':>30}"
     )
     for r in results:
         d, p = r["direct"], r["runcap"]
@@ -273,7 +296,17 @@ def _print_table(results: list[dict[str, Any]]) -> None:
         print(
             f"{r['scenario']:<24} {d['p50_ms']:>8.2f}/{d['p99_ms']:<9.2f} "
             f"{p['p50_ms']:>8.2f}/{p['p99_ms']:<9.2f} "
-            f"{added:>14} {d['rate']:>7.0f}/{p['rate']:<8.0f}"
+            f"{added:>14} {d['rate']:>7.0f}/{p['rate']:<8.0f} {p['cpu_ms_per_req']:>10.3f} "
+            + (
+                (
+                    f"{r['floor_added_p50_ms']:.2f}/{r['floor_added_p99_ms']:.2f}"
+                    if "floor_added_p50_ms" in r
+                    else f"x{r['floor_throughput_ratio']}"
+                ).rjust(20)
+                + f" {r['floor']['cpu_ms_per_req']:>8.3f}"
+                if "floor" in r
+                else ""
+            )
             + (f"  errors d={d['errors']} r={p['errors']}" if d["errors"] or p["errors"] else "")
         )
 
