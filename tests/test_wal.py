@@ -118,6 +118,70 @@ def test_one_step_is_one_write(tmp_path: Path) -> None:
     assert (record.n_spans, record.n_runs, len(record.payloads())) == (4, 1, 2)
 
 
+def test_a_group_is_one_write_of_whole_records_in_order(tmp_path: Path, monkeypatch) -> None:
+    """The steps that end in one event-loop turn (server/trace.py) are written together: one
+    writev for the group, each record still its own frame; past the limit of buffers per call,
+    more writevs of whole records."""
+    import proxy.spans.wal as wal_module
+
+    w = writer(tmp_path)
+    writes: list[int] = []
+    real = os.writev
+
+    def counting(fd: int, parts: list[bytes]) -> int:
+        writes.append(len(parts))
+        return real(fd, parts)
+
+    monkeypatch.setattr(os, "writev", counting)
+    with w.group():
+        for i in range(30):
+            assert w.append_step([make_span(i)], [make_run(i)], [payload(f"body {i}".encode())])
+        assert writes == []  # nothing written before the group ends
+    assert len(writes) == 1 and w.stats().appended_records == 30
+    monkeypatch.setattr(wal_module, "_IOV_MAX", 8)  # 2 buffers per small record: 4 per writev
+    writes.clear()
+    with w.group():
+        for i in range(30, 40):
+            w.append_step([make_span(i)])
+    assert writes == [8, 8, 4]
+    with w.group():  # an empty group writes nothing
+        pass
+    assert len(writes) == 3
+    monkeypatch.setattr(os, "writev", real)
+    w.close()
+    records = all_records(tmp_path)
+    assert [s.step for r in records for s in r.spans()] == list(range(40))
+    assert [p.data for r in records[:30] for p in r.payloads()] == [f"body {i}".encode() for i in range(30)]
+
+
+def test_a_group_on_a_full_disk_falls_back_record_by_record(tmp_path: Path) -> None:
+    """A group that does not fit is cut back to the last good offset and appended record by
+    record: bodies go first (their hashes blanked), spans stay, nothing torn or damaged."""
+    with small_tmpfs(tmp_path / "fs", "1m") as fs:
+        wal = fs / "wal"
+        w = writer(wal, segment_bytes=64 << 10, max_bytes=1 << 30)
+        spans = []
+        for g in range(8):  # 8 groups of 5 bodies of 48 KiB into 1 MiB
+            with w.group():
+                for i in range(5):
+                    body = payload(os.urandom(48 << 10) + uuid.uuid4().bytes)
+                    span = make_span(g * 5 + i, request_hash=body.sha256)
+                    spans.append(span)
+                    w.append_step([span], [], [body])
+        stats = w.stats()
+        assert stats.append_errors >= 1 and stats.dropped_payloads >= 1 and stats.dropped_records == 0
+        w.close()
+        records = all_records(wal)
+        got = [(s.step, s.request_hash) for r in records for s in r.spans()]
+        assert got == [(s.step, s.request_hash) for s in spans]  # every span, in order
+        assert "" in {h for _, h in got}  # some without their bodies, said so
+        stored = {p.sha256 for r in records for p in r.payloads()}
+        assert all(h in stored for _, h in got if h)
+        for name in segments(wal):
+            res = read_frames(wal / name, 0, sealed=True, max_bytes=1 << 30)
+            assert res.damaged == 0 and res.torn_bytes == 0
+
+
 # --- segments, torn tails, damage ----------------------------------------------------------------------
 
 

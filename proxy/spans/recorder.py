@@ -8,13 +8,16 @@ write-ahead log (proxy/spans/wal.py: one `write` per call, no thread hand-off, n
 A finished step is one call, `step(spans, run, bodies)`, and so one WAL record: its spans, the
 run's new state and its bodies land together or not at all. `body()` applies the payload policy
 and hashes a body without writing it (the hash goes in the span first). `span()`, `run()` and
-`payload()` record one thing each (a record of its own).
+`payload()` record one thing each (a record of its own). Within `group()`, records are written
+together when it ends (one write for all of them: the steps that end in one event-loop turn).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from proxy.spans.model import Payload, RunSnapshot, Span
@@ -39,6 +42,9 @@ class SpanRecorder(Protocol):
     ) -> None:
         """Record one finished step — spans, the run's state, bodies — as one record."""
 
+    def group(self) -> AbstractContextManager[None]:
+        """Records made inside are written together, in order, when it exits."""
+
 
 class NullRecorder:
     def span(self, span: Span) -> None:
@@ -57,6 +63,9 @@ class NullRecorder:
         self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
     ) -> None:
         pass
+
+    def group(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 def sha256_hex(data: bytes) -> str:
@@ -94,3 +103,6 @@ class WalRecorder:
         self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
     ) -> None:
         self.writer.append_step(spans, (run,) if run is not None else (), bodies)
+
+    def group(self) -> AbstractContextManager[None]:
+        return self.writer.group()
