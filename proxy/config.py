@@ -182,6 +182,9 @@ class Config:
     wal_fsync_interval_ms: int = 200
     wal_max_bytes: int = 1 << 30
     wal_segment_bytes: int = 16 << 20
+    # The shipper process's nice value (0-19): under load the request path comes first, the WAL
+    # holds what the shipper has not shipped yet.
+    shipper_nice: int = 10
     # [mcp.NAME]: MCP servers reached through /mcp/{name} (proxy/mcp/).
     mcp: Mapping[str, MCPServerConfig] = field(default_factory=dict)
     # [context]: thresholds of the context policies and of the growth alert (proxy/context/).
@@ -208,7 +211,7 @@ _TOP_KEYS = {
     "ledger_timeout_s", "ledger_sweep_interval_s", "redis_heartbeat_s", "redis_heartbeat_ttl_s",
     "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "max_connections_per_client",
     "payload_retention_days", "payload_store_max_bytes",
-    "wal_fsync", "wal_fsync_interval_ms", "wal_max_bytes", "wal_segment_bytes", "context",
+    "wal_fsync", "wal_fsync_interval_ms", "wal_max_bytes", "wal_segment_bytes", "shipper_nice", "context",
 }  # fmt: skip
 
 
@@ -332,6 +335,9 @@ def build_config(
         raise ConfigError(f'wal_fsync: expected "interval" or "always", got {wal_fsync!r}')
     wal_max_bytes = _int(raw, "", "wal_max_bytes", minimum=1 << 20, default=1 << 30)
     wal_segment_bytes = _int(raw, "", "wal_segment_bytes", minimum=64 << 10, default=16 << 20)
+    shipper_nice = _int(raw, "", "shipper_nice", minimum=0, default=10)
+    if shipper_nice > 19:
+        raise ConfigError(f"shipper_nice: expected a whole number from 0 to 19, got {shipper_nice}")
     if wal_segment_bytes > wal_max_bytes // 4:
         raise ConfigError(
             f"wal_segment_bytes: {wal_segment_bytes} is more than a quarter of wal_max_bytes = "
@@ -371,6 +377,7 @@ def build_config(
         wal_fsync_interval_ms=_int(raw, "", "wal_fsync_interval_ms", minimum=1, default=200),
         wal_max_bytes=wal_max_bytes,
         wal_segment_bytes=wal_segment_bytes,
+        shipper_nice=shipper_nice,
         mcp=mcp,
         context=context,
     )

@@ -147,6 +147,8 @@ def test_config_errors_name_the_setting(tmp_path):  # type: ignore[no-untyped-de
         ({"listen": "nohost"}, "listen"),
         ({"payloads": "some"}, "payloads"),
         ({"lisen": "127.0.0.1:1"}, "lisen"),
+        ({"shipper_nice": 20}, "shipper_nice"),
+        ({"shipper_nice": -1}, "shipper_nice"),
     ]
     for raw, name in cases:
         with pytest.raises(ConfigError) as e:

@@ -131,6 +131,8 @@ async def test_kill9_of_serve_leaves_no_worker_or_shipper_behind(upstream, tmp_p
         await asyncio.sleep(0.1)
     assert len(workers) == 2, log_path.read_text()[-2000:]
     shipper = int((tmp_path / "data" / "shipper.pid").read_text())
+    # Below the workers (shipper_nice, default 10): under load the request path comes first.
+    assert os.getpriority(os.PRIO_PROCESS, shipper) - os.getpriority(os.PRIO_PROCESS, min(workers)) == 10
     proc.kill9()
     for _ in range(200):
         if not any(_alive(p) for p in (*workers, shipper)):

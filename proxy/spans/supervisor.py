@@ -44,6 +44,12 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_timeout_s: float) -> None:
     """The shipper process: ship until SIGTERM/SIGINT, then drain (bounded) and exit."""
     die_with_parent(parent_pid)
+    if config.shipper_nice:
+        # Below the proxy: on a busy machine the request path gets the cores first, and the WAL
+        # holds the difference until the shipper catches up (/metrics: the age of the oldest
+        # unshipped record per sink).
+        with contextlib.suppress(OSError):
+            os.nice(config.shipper_nice)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # The lanes log a store's failures themselves, rate-limited, with the cause; the clients'
     # own line per failed attempt would repeat it every retry.
