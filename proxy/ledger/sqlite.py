@@ -14,6 +14,11 @@ file (in the OS's page cache, not yet fsync'd — that happens at checkpoints), 
 transaction survives a `kill -9` of the process, however many follow; only an OS crash or a power
 loss may lose the transactions committed since the last checkpoint (the file stays consistent:
 it rolls back to an earlier state). `synchronous=FULL` would fsync the WAL at every commit.
+Checkpoints (copying the WAL into the database file, and its fsync) never run on the event loop:
+automatic checkpoints are off on the request path's connection, and a thread of each process
+checkpoints every `CHECKPOINT_INTERVAL_S` on a connection of its own (`PASSIVE`: it never waits
+for or blocks a writer). Before, the commit that crossed SQLite's 1,000-page mark checkpointed
+inline — an fsync on the event loop, the tail of the capped calls' latency.
 
 Reservations and in-flight tool calls are rows owned by the process that made them. Each process
 holds an exclusive `flock` on its own owner file for as long as it lives; a reservation whose owner
@@ -47,6 +52,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,6 +88,8 @@ from proxy.ledger.base import (
 )
 
 log = logging.getLogger("runcap.ledger")
+
+CHECKPOINT_INTERVAL_S = 0.5
 
 T = TypeVar("T")
 
@@ -255,6 +263,7 @@ class SQLiteLedger(Ledger):
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's job
         self._db.executescript(_SCHEMA)
         self._upgrade()
         # Request-path operations waiting for the next batched transaction (`_flush`), and
@@ -266,6 +275,31 @@ class SQLiteLedger(Ledger):
         self.owner = secrets.token_hex(8)
         self._owner_file = open(self._owners_dir / f"{self.owner}.lock", "w")
         fcntl.flock(self._owner_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._closing = threading.Event()
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint_loop, args=(busy_timeout_s,), name="runcap-ledger-checkpoint", daemon=True
+        )
+        self._checkpointer.start()
+
+    def _checkpoint_loop(self, busy_timeout_s: float) -> None:
+        """Copy the WAL into the database file, off the event loop (see the module docstring). A
+        failure (disk full, I/O) is logged and tried again: the WAL only grows meanwhile."""
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s)
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA wal_autocheckpoint=0")
+            failing = False
+            while not self._closing.wait(CHECKPOINT_INTERVAL_S):
+                try:
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    failing = False
+                except sqlite3.Error as e:
+                    if not failing:
+                        log.warning("ledger checkpoint failed (retried every %.1f s): %s",
+                                    CHECKPOINT_INTERVAL_S, e)  # fmt: skip
+                    failing = True
+        finally:
+            db.close()
 
     def _upgrade(self) -> None:
         """Add the columns a ledger file made by an older runcap lacks (idempotent)."""
@@ -735,6 +769,8 @@ class SQLiteLedger(Ledger):
     async def close(self) -> None:
         if self._batch:
             self._flush()  # answer what is queued before the connection goes
+        self._closing.set()
+        self._checkpointer.join(5.0)
         with contextlib.suppress(sqlite3.Error):
             with self._transaction() as db:
                 db.execute("DELETE FROM probe WHERE owner = ?", (self.owner,))
