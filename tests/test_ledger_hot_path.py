@@ -137,3 +137,40 @@ async def test_a_reservation_committed_for_a_caller_gone_meanwhile_is_released(t
         assert await led.backend.get_run("q") is None and led.pending.count() == 0
     finally:
         await led.close()
+
+
+async def test_checkpoints_run_off_the_event_loop(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The request path's connection never checkpoints (it was an fsync on the event loop when a
+    commit crossed SQLite's 1,000-page mark); the checkpointer thread copies the WAL into the
+    database file on its own connection, and the data is all there after a restart."""
+    import proxy.ledger.sqlite as sqlite_module
+
+    monkeypatch.setattr(sqlite_module, "CHECKPOINT_INTERVAL_S", 0.05)
+    path = tmp_path / "ledger.sqlite3"
+    led = SQLiteLedger(path)
+    try:
+        assert led._db.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+        for i in range(300):
+            await led.begin_step(step(f"r{i}", RunCaps(max_usd_nanos=USD)))
+        # The database file itself, read without its WAL: the thread copied the rows into it.
+        copied = 0
+        for _ in range(200):
+            db = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+            try:
+                copied = db.execute("SELECT count(*) FROM runs").fetchone()[0]
+            except sqlite3.OperationalError:  # not even the schema copied yet
+                copied = 0
+            finally:
+                db.close()
+            if copied == 300:
+                break
+            await asyncio.sleep(0.05)
+        assert copied == 300
+    finally:
+        await led.close()
+    assert not led._checkpointer.is_alive()  # stopped with the ledger
+    again = SQLiteLedger(path)
+    try:
+        assert (await again.get_run("r299")).steps == 1
+    finally:
+        await again.close()
