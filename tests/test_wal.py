@@ -170,6 +170,9 @@ def test_a_group_on_a_full_disk_falls_back_record_by_record(tmp_path: Path) -> N
                     w.append_step([span], [], [body])
         stats = w.stats()
         assert stats.append_errors >= 1 and stats.dropped_payloads >= 1 and stats.dropped_records == 0
+        # after the first failure the rest drops its bodies up front (no retry per record, each
+        # failing again and rolling to a segment of its own)
+        assert stats.append_errors <= 3, stats
         w.close()
         records = all_records(wal)
         got = [(s.step, s.request_hash) for r in records for s in r.spans()]
@@ -180,6 +183,38 @@ def test_a_group_on_a_full_disk_falls_back_record_by_record(tmp_path: Path) -> N
         for name in segments(wal):
             res = read_frames(wal / name, 0, sealed=True, max_bytes=1 << 30)
             assert res.damaged == 0 and res.torn_bytes == 0
+
+
+def test_a_short_group_write_keeps_its_whole_records_and_cuts_the_torn_rest(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A nearly full disk gives a short write, not an error: the records it holds whole stay (a
+    shipper may already have read them — writing them again would duplicate them), the torn
+    rest is cut off, the others follow record by record, each once, in order."""
+    w = writer(tmp_path)
+    real = os.writev
+    short = []
+
+    def torn_once(fd: int, parts: list[bytes]) -> int:
+        if short:
+            return real(fd, parts)
+        data = b"".join(parts)
+        short.append(len(data))
+        return os.write(fd, data[: len(data) * 2 // 5])  # the tear lands inside a record
+
+    monkeypatch.setattr(os, "writev", torn_once)
+    with w.group():
+        for i in range(10):
+            w.append_step([make_span(i)], [], [payload(os.urandom(1000) + bytes([i]))])
+    monkeypatch.setattr(os, "writev", real)
+    stats = w.stats()
+    assert short and stats.append_errors == 1 and stats.appended_records == 10
+    w.close()
+    records = all_records(tmp_path)
+    assert [s.step for r in records for s in r.spans()] == list(range(10))  # none twice, none lost
+    for name in segments(tmp_path):
+        res = read_frames(tmp_path / name, 0, sealed=True, max_bytes=1 << 30)
+        assert res.damaged == 0 and res.torn_bytes == 0
 
 
 # --- segments, torn tails, damage ----------------------------------------------------------------------

@@ -54,6 +54,7 @@ import secrets
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -90,6 +91,24 @@ from proxy.ledger.base import (
 log = logging.getLogger("runcap.ledger")
 
 CHECKPOINT_INTERVAL_S = 0.5
+
+
+def _checkpoint_loop(db: sqlite3.Connection, closing: threading.Event) -> None:
+    """Copy the WAL into the database file, off the event loop (see the module docstring). A
+    failure (disk full, I/O) is logged and tried again: the WAL only grows meanwhile."""
+    try:
+        failing = False
+        while not closing.wait(CHECKPOINT_INTERVAL_S):
+            try:
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                failing = False
+            except sqlite3.Error as e:
+                if not failing:
+                    log.warning("ledger checkpoint failed (retried every %.1f s): %s",
+                                CHECKPOINT_INTERVAL_S, e)  # fmt: skip
+                failing = True
+    finally:
+        db.close()
 
 T = TypeVar("T")
 
@@ -263,7 +282,6 @@ class SQLiteLedger(Ledger):
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's job
         self._db.executescript(_SCHEMA)
         self._upgrade()
         # Request-path operations waiting for the next batched transaction (`_flush`), and
@@ -275,31 +293,21 @@ class SQLiteLedger(Ledger):
         self.owner = secrets.token_hex(8)
         self._owner_file = open(self._owners_dir / f"{self.owner}.lock", "w")
         fcntl.flock(self._owner_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Checkpoints: a connection of their own, opened here (a file that cannot be opened twice
+        # fails now, not silently in the thread), used only by the thread — which holds no
+        # reference to this ledger: one that is dropped without close() stops it too.
+        checkpoints = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
+        )
+        checkpoints.execute("PRAGMA wal_autocheckpoint=0")
+        self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's job
         self._closing = threading.Event()
         self._checkpointer = threading.Thread(
-            target=self._checkpoint_loop, args=(busy_timeout_s,), name="runcap-ledger-checkpoint", daemon=True
-        )
+            target=_checkpoint_loop, args=(checkpoints, self._closing), name="runcap-ledger-checkpoint",
+            daemon=True,
+        )  # fmt: skip
         self._checkpointer.start()
-
-    def _checkpoint_loop(self, busy_timeout_s: float) -> None:
-        """Copy the WAL into the database file, off the event loop (see the module docstring). A
-        failure (disk full, I/O) is logged and tried again: the WAL only grows meanwhile."""
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s)
-        try:
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA wal_autocheckpoint=0")
-            failing = False
-            while not self._closing.wait(CHECKPOINT_INTERVAL_S):
-                try:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                    failing = False
-                except sqlite3.Error as e:
-                    if not failing:
-                        log.warning("ledger checkpoint failed (retried every %.1f s): %s",
-                                    CHECKPOINT_INTERVAL_S, e)  # fmt: skip
-                    failing = True
-        finally:
-            db.close()
+        weakref.finalize(self, self._closing.set)
 
     def _upgrade(self) -> None:
         """Add the columns a ledger file made by an older runcap lacks (idempotent)."""
@@ -770,7 +778,7 @@ class SQLiteLedger(Ledger):
         if self._batch:
             self._flush()  # answer what is queued before the connection goes
         self._closing.set()
-        self._checkpointer.join(5.0)
+        await asyncio.to_thread(self._checkpointer.join, 5.0)  # a checkpoint's fsync may be under way
         with contextlib.suppress(sqlite3.Error):
             with self._transaction() as db:
                 db.execute("DELETE FROM probe WHERE owner = ?", (self.owner,))

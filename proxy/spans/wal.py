@@ -35,6 +35,7 @@ writer start of that slot, or read around by the shipper.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import fcntl
@@ -376,7 +377,8 @@ class WalWriter:
         kill loses only what came after the tear). The request path groups the steps that end in
         the same event-loop turn: under load, one system call and one warm pass over the encoder
         instead of one of each per request. Not reentrant."""
-        assert self._group is None, "WalWriter.group() is not reentrant"
+        if self._group is not None:
+            raise RuntimeError("WalWriter.group() is not reentrant")
         self._group = []
         try:
             yield
@@ -384,13 +386,20 @@ class WalWriter:
             pending, self._group = self._group, None
             self._append_group(pending)
 
-    def _append(self, record: _Pending) -> bool:
-        if self._write(frame(record.parts, time.time_ns() // 1_000_000)):
+    def _append(self, record: _Pending, buffers: list[bytes] | None = None) -> bool:
+        """One record (`buffers`: already framed): with its bodies unless the disk was full a
+        moment ago; without them if that fails (the spans alone may still fit); else dropped."""
+        if record.payloads and time.monotonic() < self._full_until:
+            record.payloads = self._drop_bodies(record.spans, record.payloads, "the disk is full")
+            record.parts, buffers = encode_step(record.spans, record.runs, ()), None
+        if buffers is None:
+            buffers = frame(record.parts, time.time_ns() // 1_000_000)
+        if self._write(buffers, [sum(map(len, buffers))]):
             return True
         if record.payloads:  # the disk is full (or failing): the spans alone may still fit
             payloads = self._drop_bodies(record.spans, record.payloads, "the disk is full")
-            parts = encode_step(record.spans, record.runs, payloads)
-            if self._write(frame(parts, time.time_ns() // 1_000_000)):
+            buffers = frame(encode_step(record.spans, record.runs, payloads), time.time_ns() // 1_000_000)
+            if self._write(buffers, [sum(map(len, buffers))]):
                 return True
         self._count_drop("record", 1, "the WAL could not be written")
         return False
@@ -401,26 +410,36 @@ class WalWriter:
         while at < len(pending):
             # Whole records per writev, within the system's limit of buffers per call.
             buffers: list[bytes] = []
+            ends: list[int] = []  # where each record ends in the buffers
             end = at
             while end < len(pending):
                 framed = frame(pending[end].parts, time_ms)
                 if buffers and len(buffers) + len(framed) > _IOV_MAX:
                     break
                 buffers.extend(framed)
+                ends.append((ends[-1] if ends else 0) + sum(map(len, framed)))
                 end += 1
-            if end - at == 1 or not self._write(buffers, end - at):
-                # One record, or the group failed (cut back to the last good offset): record by
-                # record, so a full disk costs bodies before it costs records.
-                for record in pending[at:end]:
+            if end - at == 1:
+                self._append(pending[at], buffers)
+            else:
+                # A failed or short write keeps the records it holds whole and cuts the rest off:
+                # those go record by record, so a full disk costs bodies before it costs records.
+                written = self._write(buffers, ends)
+                for record in pending[at + written : end]:
                     self._append(record)
             at = end
 
-    def _write(self, buffers: list[bytes], records: int = 1) -> bool:
-        size = sum(map(len, buffers))
+    def _write(self, buffers: list[bytes], ends: list[int]) -> int:
+        """Write records framed back to back (`ends`: where each one ends in `buffers`). Returns
+        how many are in the segment whole: all of them, or after a short write those it holds
+        whole — the torn rest is cut off (`ftruncate`: needs no free space) so that the next
+        append lands right behind the last good record."""
+        size = ends[-1]
         if self._wal_estimate() + size > self.max_bytes:
-            self._warn("cap", "the WAL holds wal_max_bytes = %d bytes (a sink is down?): records are dropped",
-                       self.max_bytes)  # fmt: skip
-            return False
+            if len(ends) == 1:  # (a group is retried record by record: some may still fit)
+                self._warn("cap", "the WAL holds wal_max_bytes = %d bytes (a sink is down?): records are "
+                           "dropped", self.max_bytes)  # fmt: skip
+            return 0
         if self._roll_wanted or self._offset >= self.segment_bytes:
             self._roll()
         fd = self._fd
@@ -428,18 +447,21 @@ class WalWriter:
         try:
             written = os.writev(fd, buffers)
         except OSError as exc:
-            written, error = -1, exc
-        if written == size:
-            self._offset += size
-            self.appended_records += records
-            self.appended_bytes += size
+            written, error = 0, exc
+        kept = len(ends) if written == size else bisect.bisect_right(ends, written)
+        if kept:
+            kept_bytes = ends[kept - 1]
+            self._offset += kept_bytes
+            self.appended_records += kept
+            self.appended_bytes += kept_bytes
             self._dirty = True
             if self._always:
                 try:
                     os.fdatasync(fd)
                 except OSError as exc:
                     self._warn("fsync", "fdatasync of WAL segment %s failed: %s", self._name, exc)
-            return True
+        if written == size:
+            return kept
         # Cut back to the last good offset, so the next append does not land behind torn bytes.
         self.append_errors += 1
         cut = True
@@ -458,7 +480,7 @@ class WalWriter:
             self._full_until = time.monotonic() + 1.0
         self._warn("append", "appending to WAL segment %s failed (%s)", self._name,
                    error or f"short write: {written} of {size} bytes")  # fmt: skip
-        return False
+        return kept
 
     def _drop_bodies(self, spans: Sequence[Span], payloads: Sequence[Payload], why: str) -> list[Payload]:
         dropped = {p.sha256 for p in payloads}
