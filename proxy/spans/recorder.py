@@ -32,7 +32,8 @@ class SpanRecorder(Protocol):
 
     def payload(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> str:
         """Record a body for the payload store; return its sha256 hex ('' when not stored:
-        payloads off, errors-only and this is no error, or over the size limit)."""
+        payloads off, errors-only and this is no error, over the size limit, or dropped by the
+        WAL). Not inside `group()`: there the write, and so a drop, comes after the return."""
 
     def body(self, data: bytes, *, is_error: bool = False, content_type: str = "") -> Payload | None:
         """A body to pass to `step` (None when the policy does not keep it); nothing written."""
