@@ -5,7 +5,6 @@ cancelled (shutdown) does not take its record — or anyone else's — with it."
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 from aiohttp.test_utils import make_mocked_request
@@ -17,7 +16,7 @@ from proxy.server.trace import TraceStep
 from proxy.spans.payloads import PayloadPolicy
 from proxy.spans.recorder import WalRecorder
 from proxy.spans.wal import WalWriter
-from tests.test_wal import all_records
+from tests.test_wal import all_records, count_writevs
 
 
 def passthrough_flow(config: Config, run_id: str) -> Flow:
@@ -33,14 +32,7 @@ async def test_steps_ending_in_one_loop_turn_are_one_write(tmp_path: Path, monke
     config = Config(upstreams=DEFAULT_UPSTREAMS)
     writer = WalWriter(tmp_path / "wal")
     trace = TraceStep(WalRecorder(writer, PayloadPolicy()))
-    writes: list[int] = []
-    real = os.writev
-
-    def counting(fd: int, parts: list[bytes]) -> int:
-        writes.append(len(parts))
-        return real(fd, parts)
-
-    monkeypatch.setattr(os, "writev", counting)
+    writes = count_writevs(monkeypatch)
     flows = [passthrough_flow(config, f"run-{i}") for i in range(12)]
     tasks = [asyncio.create_task(trace.done(flow)) for flow in flows]
     await asyncio.sleep(0)  # every task is now waiting for the turn's flush
@@ -52,7 +44,7 @@ async def test_steps_ending_in_one_loop_turn_are_one_write(tmp_path: Path, monke
 
     await trace.done(passthrough_flow(config, "alone"))  # an idle server: a group of one
     assert len(writes) == 2
-    monkeypatch.setattr(os, "writev", real)
+    monkeypatch.undo()
     writer.close()
     runs = [s.run_id for r in all_records(tmp_path / "wal") for s in r.spans()]
     assert runs == [f"run-{i}" for i in range(12)] + ["alone"]

@@ -16,6 +16,8 @@ from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
+import pytest
+
 from proxy.spans.cursors import CursorFile, CursorState, Pending
 from proxy.spans.model import Payload, RunSnapshot, Span
 from proxy.spans.records import StepRecord, encode_step
@@ -65,6 +67,19 @@ def writer(wal: Path, **kw: object) -> WalWriter:
     return WalWriter(wal, fsync_interval_s=0.05, **kw)  # type: ignore[arg-type]
 
 
+def count_writevs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From here on, the number of buffers of each `os.writev` (which still writes), in order."""
+    writes: list[int] = []
+    real = os.writev
+
+    def counting(fd: int, parts: list[bytes]) -> int:
+        writes.append(len(parts))
+        return real(fd, parts)
+
+    monkeypatch.setattr(os, "writev", counting)
+    return writes
+
+
 # --- records ---------------------------------------------------------------------------------------
 
 
@@ -96,22 +111,13 @@ def test_records_round_trip_exactly(tmp_path: Path) -> None:
     assert record.spans_jsonl.tobytes().count(b"\n") == 1  # JSONCompactEachRow, ready for ClickHouse
 
 
-def test_one_step_is_one_write(tmp_path: Path) -> None:
+def test_one_step_is_one_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     w = writer(tmp_path)
     spans = [make_span(i) for i in range(4)]
     bodies = [payload(b"request"), payload(b"response")]
-    writes = []
-    real = os.writev
-
-    def counting(fd: int, parts: list[bytes]) -> int:
-        writes.append(fd)
-        return real(fd, parts)
-
-    os.writev = counting  # type: ignore[assignment]
-    try:
-        w.append_step(spans, [make_run(1)], bodies)
-    finally:
-        os.writev = real  # type: ignore[assignment]
+    writes = count_writevs(monkeypatch)
+    w.append_step(spans, [make_run(1)], bodies)
+    monkeypatch.undo()
     w.close()
     assert len(writes) == 1
     [record] = all_records(tmp_path)
@@ -125,14 +131,7 @@ def test_a_group_is_one_write_of_whole_records_in_order(tmp_path: Path, monkeypa
     import proxy.spans.wal as wal_module
 
     w = writer(tmp_path)
-    writes: list[int] = []
-    real = os.writev
-
-    def counting(fd: int, parts: list[bytes]) -> int:
-        writes.append(len(parts))
-        return real(fd, parts)
-
-    monkeypatch.setattr(os, "writev", counting)
+    writes = count_writevs(monkeypatch)
     with w.group():
         for i in range(30):
             assert w.append_step([make_span(i)], [make_run(i)], [payload(f"body {i}".encode())])
@@ -147,7 +146,7 @@ def test_a_group_is_one_write_of_whole_records_in_order(tmp_path: Path, monkeypa
     with w.group():  # an empty group writes nothing
         pass
     assert len(writes) == 3
-    monkeypatch.setattr(os, "writev", real)
+    monkeypatch.undo()
     w.close()
     records = all_records(tmp_path)
     assert [s.step for r in records for s in r.spans()] == list(range(40))
