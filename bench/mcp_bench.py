@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from bench.loadgen import percentile
-from bench.proxy_bench import cpu_s, free_port, start, stop_all
+from bench.proxy_bench import added_ms, cpu_s, free_port, start, stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 20  # calls to each url before the measured ones
@@ -189,11 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                 and row["direct"]["p50_ms"] is not None
                 and row["runcap"]["p50_ms"] is not None
             ):
-                row["added_p50_ms"] = round(row["runcap"]["p50_ms"] - row["direct"]["p50_ms"], 3)
-                row["added_p99_ms"] = round(row["runcap"]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                row.update(added_ms(row["runcap"], row["direct"]))
                 if row.get("floor", {}).get("p50_ms") is not None:
-                    row["floor_added_p50_ms"] = round(row["floor"]["p50_ms"] - row["direct"]["p50_ms"], 3)
-                    row["floor_added_p99_ms"] = round(row["floor"]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                    row.update(added_ms(row["floor"], row["direct"], "floor_"))
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:

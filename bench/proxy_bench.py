@@ -103,6 +103,11 @@ def summarize(r: Result) -> dict[str, Any]:
     }
 
 
+def added_ms(path: dict[str, Any], direct: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """`path`'s p50 and p99 over `direct`'s, in ms: `{prefix}added_p50_ms`, `{prefix}added_p99_ms`."""
+    return {f"{prefix}added_{q}_ms": round(path[f"{q}_ms"] - direct[f"{q}_ms"], 3) for q in ("p50", "p99")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per run (default 10)")
@@ -176,11 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 floor_cpu = (cpu_s(procs[2].pid) - cpu0) * 1000 / max(1, f.count)
                 row["floor"]["cpu_ms_per_req"] = round(floor_cpu, 3)
             if "rate" in kw:
-                row["added_p50_ms"] = round(row["runcap"]["p50_ms"] - row["direct"]["p50_ms"], 3)
-                row["added_p99_ms"] = round(row["runcap"]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                row.update(added_ms(row["runcap"], row["direct"]))
                 if "floor" in row:
-                    row["floor_added_p50_ms"] = round(row["floor"]["p50_ms"] - row["direct"]["p50_ms"], 3)
-                    row["floor_added_p99_ms"] = round(row["floor"]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                    row.update(added_ms(row["floor"], row["direct"], "floor_"))
             else:
                 row["throughput_ratio"] = (
                     round(p.achieved_rate / d.achieved_rate, 3) if d.achieved_rate else None

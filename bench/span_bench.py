@@ -43,7 +43,18 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import run_subprocess
-from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, cpu_s, free_port, start, stop_all, summarize, wait_port
+from bench.proxy_bench import (
+    BODY,
+    CAP_HEADERS,
+    ROOT,
+    added_ms,
+    cpu_s,
+    free_port,
+    start,
+    stop_all,
+    summarize,
+    wait_port,
+)
 from proxy.spans.clickhouse import open_span_store
 from proxy.spans.control import ShipperClient, ShipperUnavailable
 from proxy.spans.model import RunSnapshot, Span
@@ -250,8 +261,7 @@ def bench_proxy(duration: float, tmp: Path, rounds: int = 3) -> list[dict[str, A
                         }
                 if "rate" in kw:
                     for key in ("tracing_on", "tracing_off"):
-                        row[key]["added_p50_ms"] = round(row[key]["p50_ms"] - row["direct"]["p50_ms"], 3)
-                        row[key]["added_p99_ms"] = round(row[key]["p99_ms"] - row["direct"]["p99_ms"], 3)
+                        row[key].update(added_ms(row[key], row["direct"]))
                 else:
                     ratios = [
                         on["rate"] / off["rate"]
