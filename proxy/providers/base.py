@@ -126,6 +126,10 @@ class StreamReader(Protocol):
         """What the stream said so far (usage may be partial or None if it was cut; `complete`
         once its closing event arrived)."""
 
+    @property
+    def complete(self) -> bool:
+        """The closing event arrived (`info.complete`, without building `info`)."""
+
 
 class Adapter(Protocol):
     """One wire format. Stateless; the same instance serves every request."""
