@@ -79,9 +79,11 @@ async def load(url: str, prefix: str, calls: Calls, stop: asyncio.Event, max_cal
     await asyncio.gather(*(client(c) for c in range(CLIENTS)))
 
 
-async def start(upstream: ScriptedUpstream, data: Path) -> tuple[str, Runtime, web.AppRunner]:
+async def start(
+    upstream: ScriptedUpstream, data: Path, **settings: object
+) -> tuple[str, Runtime, web.AppRunner]:
     assert upstream.url is not None
-    config = runcap_config(upstream.url, data, {"tracing": True, "wal_hold_ms": 300})
+    config = runcap_config(upstream.url, data, {"tracing": True, "wal_hold_ms": 300, **settings})
     app = build_app(config, span_options={"shipper": "external"})  # nothing ships: the WAL grows
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -176,3 +178,54 @@ async def test_a_filling_disk_answers_only_what_is_on_record_across_a_restart(
         path = data / "wal" / name
         res = read_frames(path, 0, sealed=segment_sealed(path), max_bytes=1 << 30)
         assert res.damaged == 0 and res.torn_bytes == 0, name
+
+
+# (path, body, the stream's closing event) per wire format: none of it may reach the agent when
+# the call is not on record — whether or not the stream is complete (a chat stream without usage).
+STREAMS = {
+    "chat": ("/v1/chat/completions", {"model": "gpt-4o-mini", "stream": True,
+             "messages": [{"role": "user", "content": "hi"}]}, b"data: [DONE]"),
+    "chat, no usage": ("/v1/chat/completions", {"model": "gpt-4o-mini", "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}, b"data: [DONE]"),
+    "responses": ("/v1/responses", {"model": "gpt-4o-mini", "input": "hi", "stream": True},
+                  b"event: response.completed"),
+    "anthropic": ("/anthropic/v1/messages", {"model": "claude-sonnet-4-5", "max_tokens": 64, "stream": True,
+                  "messages": [{"role": "user", "content": "hi"}]}, b"event: message_stop"),
+}  # fmt: skip
+
+
+async def test_no_room_and_no_hold_refuses_every_format_without_its_closing_event(
+    upstream: ScriptedUpstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upstream.scripts["no-usage"] = [{"text": "an answer", "omit_usage": True}]
+    url, runtime, runner = await start(upstream, tmp_path / "data", wal_hold_bytes=0)
+    disk = FillingDisk(monkeypatch, room=0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for name, (path, body, closing) in STREAMS.items():
+                headers = {"X-Run-Id": f"run-{name.replace(' ', '').replace(',', '-')}"}
+                if name == "chat, no usage":
+                    headers["X-Mock-Script"] = "no-usage"
+                async with s.post(f"{url}{path}", json=body, headers=headers) as r:
+                    data = await r.read()
+                assert r.status == 200 and closing not in data, (name, data[-300:])
+                # the error in the format's shape (Anthropic's carries no code)
+                assert b'"ledger_unavailable"' in data and b"could not put this call" in data, name
+                assert name == "anthropic" or b'"ledger_disk_full"' in data, name
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+            headers = {"X-Run-Id": "run-buffered"}
+            async with s.post(f"{url}/v1/chat/completions", headers=headers, json=body) as r:
+                refused = await r.json()
+            assert r.status == 503 and r.headers["x-should-retry"] == "true"
+            assert refused["error"]["type"] == "ledger_unavailable"
+            assert refused["error"]["code"] == "ledger_disk_full"
+        assert runtime.spans.writer is not None and runtime.spans.writer.stats().dropped_records == 5
+        disk.free()
+        async with aiohttp.ClientSession() as s:  # room again: the same calls, answered in full
+            for name, (path, body, closing) in STREAMS.items():
+                headers = {"X-Mock-Script": "no-usage"} if name == "chat, no usage" else {}
+                async with s.post(f"{url}{path}", json=body, headers=headers) as r:
+                    data = await r.read()
+                assert r.status == 200 and closing in data and b"ledger_disk_full" not in data, name
+    finally:
+        await runner.cleanup()

@@ -127,8 +127,8 @@ class StreamReader(Protocol):
         once its closing event arrived)."""
 
     @property
-    def complete(self) -> bool:
-        """The closing event arrived (`info.complete`, without building `info`)."""
+    def ended(self) -> bool:
+        """The format's closing event arrived (complete or not: a chat `[DONE]` without usage)."""
 
 
 class Adapter(Protocol):

@@ -357,7 +357,7 @@ class Forwarder:
                 else:
                     captured = flow.captured = None  # too large to store: hash nothing
             out = reader.feed(chunk) if reader is not None else chunk
-            if reader is not None and reader.complete:
+            if reader is not None and reader.ended:
                 # The closing event arrived (in this chunk or before): from here on the bytes
                 # wait for the done steps, so the agent has the end only once it is on record.
                 flow.held_tail += out
@@ -366,7 +366,7 @@ class Forwarder:
         if reader is not None:
             tail = reader.close()
             if tail:
-                if reader.complete:
+                if reader.ended:
                     flow.held_tail += tail
                 else:
                     await reply.write(tail)
