@@ -28,7 +28,7 @@ def passthrough_flow(config: Config, run_id: str) -> Flow:
     request = make_mocked_request("GET", "/v1/models", headers={"X-Run-Id": run_id})
     flow = Flow(request, upstream, upstream.base.target(["v1", "models"], ""), adapter=None)
     flow.run = parse_run_headers(request.headers, config.caps)
-    flow.status = 200
+    flow.status = flow.upstream_status = 200
     return flow
 
 
@@ -110,4 +110,9 @@ async def test_a_step_the_wal_cannot_keep_is_refused_not_answered(tmp_path: Path
             assert isinstance(refused, LedgerUnavailable) and refused.code == "ledger_disk_full", hold
             assert refused.status == 503 and flow.run is not None and flow.run.run_id in refused.message
         assert writer.stats().dropped_records == 3 and writer.stats().held_records == 0
+        # a call runcap refused itself, never forwarded (a cap, the ledger): that refusal stands
+        refusal = passthrough_flow(config, "never-forwarded")
+        refusal.upstream_status, refusal.status = 0, 402
+        await asyncio.wait_for(trace.done(refusal), 20)
+        assert refusal.unrecorded is None and writer.stats().dropped_records == 4
         writer.close()

@@ -20,7 +20,7 @@ tried again every `_RETRY_S` (and before any newer one); a record the hold canno
 `wal_hold_bytes` / `wal_hold_ms`) is dropped — counted per step and logged with its run by the
 WAL — and the call is refused instead of answered (`flow.unrecorded`: 503 `ledger_unavailable`,
 code `ledger_disk_full`), so every answered call has its span, and every call without one was
-told so.
+told so. (A call runcap refused itself without forwarding it keeps that refusal.)
 """
 
 from __future__ import annotations
@@ -159,7 +159,9 @@ class TraceStep:
         self._waiting.append((flow, recorded))
         # Cancelled while waiting (shutting down): the record is written (or held) all the same.
         why = await recorded
-        if why:
+        # Only a call that was made is withheld: runcap's own refusal of a call it did not forward
+        # (a cap, the ledger) stands as it is — its dropped record is counted and logged all the same.
+        if why and flow.upstream_status:
             flow.unrecorded = LedgerUnavailable(
                 f"runcap could not put this call of run {flow.run.run_id} on record: {why} (its span "
                 "log, data_dir/wal, has no room: the disk is full or wal_max_bytes is reached). The "
