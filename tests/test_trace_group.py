@@ -84,15 +84,19 @@ async def test_a_step_is_answered_only_once_its_record_is_in_the_wal(tmp_path: P
     disk = FillingDisk(monkeypatch, room=0)
     flows = [passthrough_flow(config, f"run-{i}") for i in range(6)]
     tasks = [asyncio.create_task(trace.done(flow)) for flow in flows]
+    refusal = passthrough_flow(config, "refused")  # never forwarded: its refusal does not wait
+    refusal.upstream_status, refusal.status = 0, 402
+    await asyncio.wait_for(trace.done(refusal), 20)
+    assert refusal.unrecorded is None
     await until(lambda: disk.failed_writes >= 4)  # the first write, then retries on the timer
-    assert not any(t.done() for t in tasks) and writer.stats().held_records == 6
+    assert not any(t.done() for t in tasks) and writer.stats().held_records == 7
     disk.free()
     await asyncio.wait_for(asyncio.gather(*tasks), 20)
     assert all(flow.unrecorded is None for flow in flows)
     assert writer.stats().held_records == 0 and writer.stats().dropped_records == 0
     writer.close()
     runs = [s.run_id for r in all_records(tmp_path / "wal") for s in r.spans()]
-    assert runs == [f"run-{i}" for i in range(6)]
+    assert runs == [f"run-{i}" for i in range(6)] + ["refused"]
 
 
 async def test_a_step_the_wal_cannot_keep_is_refused_not_answered(tmp_path: Path, monkeypatch) -> None:
@@ -110,9 +114,11 @@ async def test_a_step_the_wal_cannot_keep_is_refused_not_answered(tmp_path: Path
             assert isinstance(refused, LedgerUnavailable) and refused.code == "ledger_disk_full", hold
             assert refused.status == 503 and flow.run is not None and flow.run.run_id in refused.message
         assert writer.stats().dropped_records == 3 and writer.stats().held_records == 0
-        # a call runcap refused itself, never forwarded (a cap, the ledger): that refusal stands
+        # a call runcap refused itself, never forwarded (a cap, the ledger): that refusal stands,
+        # and it is sent without waiting for room (its record held, then dropped: counted)
         refusal = passthrough_flow(config, "never-forwarded")
         refusal.upstream_status, refusal.status = 0, 402
         await asyncio.wait_for(trace.done(refusal), 20)
-        assert refusal.unrecorded is None and writer.stats().dropped_records == 4
+        assert refusal.unrecorded is None
+        await until(lambda w=writer: w.stats().dropped_records == 4)
         writer.close()

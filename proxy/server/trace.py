@@ -20,7 +20,8 @@ tried again every `_RETRY_S` (and before any newer one); a record the hold canno
 `wal_hold_bytes` / `wal_hold_ms`) is dropped — counted per step and logged with its run by the
 WAL — and the call is refused instead of answered (`flow.unrecorded`: 503 `ledger_unavailable`,
 code `ledger_disk_full`), so every answered call has its span, and every call without one was
-told so. (A call runcap refused itself without forwarding it keeps that refusal.)
+told so. (A call runcap refused itself without forwarding it keeps that refusal, and does not
+wait while its record is held.)
 """
 
 from __future__ import annotations
@@ -187,6 +188,11 @@ class TraceStep:
             log.exception("writing %d step records failed", len(waiting))
             for _, recorded in waiting:
                 _tell(recorded, "the WAL writer failed")
+        for flow, recorded in waiting:
+            if not flow.upstream_status:
+                # Not forwarded (runcap refused it: a cap, the ledger): its refusal stands whatever
+                # becomes of the record, so it does not wait while the record is held.
+                _tell(recorded, "")
         self._schedule_retry()
 
     def _schedule_retry(self) -> None:
