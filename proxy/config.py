@@ -182,6 +182,11 @@ class Config:
     wal_fsync_interval_ms: int = 200
     wal_max_bytes: int = 1 << 30
     wal_segment_bytes: int = 16 << 20
+    # A step whose record the WAL has no room for (disk full, wal_max_bytes) is held in memory —
+    # its answer with it — up to wal_hold_bytes in all and wal_hold_ms each; past them it is
+    # dropped (counted, logged with its run) and the call refused: 503 ledger_disk_full.
+    wal_hold_bytes: int = 16 << 20
+    wal_hold_ms: int = 5000
     # The shipper process's nice value (0-19): under load the request path comes first, the WAL
     # holds what the shipper has not shipped yet.
     shipper_nice: int = 10
@@ -212,6 +217,7 @@ _TOP_KEYS = {
     "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "max_connections_per_client",
     "payload_retention_days", "payload_store_max_bytes",
     "wal_fsync", "wal_fsync_interval_ms", "wal_max_bytes", "wal_segment_bytes", "shipper_nice", "context",
+    "wal_hold_bytes", "wal_hold_ms",
 }  # fmt: skip
 
 
@@ -335,6 +341,12 @@ def build_config(
         raise ConfigError(f'wal_fsync: expected "interval" or "always", got {wal_fsync!r}')
     wal_max_bytes = _int(raw, "", "wal_max_bytes", minimum=1 << 20, default=1 << 30)
     wal_segment_bytes = _int(raw, "", "wal_segment_bytes", minimum=64 << 10, default=16 << 20)
+    wal_hold_ms = _int(raw, "", "wal_hold_ms", minimum=0, default=5000)
+    if wal_hold_ms > 60_000:
+        raise ConfigError(
+            f"wal_hold_ms: expected at most 60000 (a held call waits this long for its answer), "
+            f"got {wal_hold_ms}"
+        )
     shipper_nice = _int(raw, "", "shipper_nice", minimum=0, default=10)
     if shipper_nice > 19:
         raise ConfigError(f"shipper_nice: expected a whole number from 0 to 19, got {shipper_nice}")
@@ -377,6 +389,8 @@ def build_config(
         wal_fsync_interval_ms=_int(raw, "", "wal_fsync_interval_ms", minimum=1, default=200),
         wal_max_bytes=wal_max_bytes,
         wal_segment_bytes=wal_segment_bytes,
+        wal_hold_bytes=_int(raw, "", "wal_hold_bytes", minimum=0, default=16 << 20),
+        wal_hold_ms=wal_hold_ms,
         shipper_nice=shipper_nice,
         mcp=mcp,
         context=context,

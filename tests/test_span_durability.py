@@ -10,7 +10,8 @@ concurrent clients (each request a run of its own, so spans are counted by reque
   blanked), spans kept;
 * the data directory on a small tmpfs that fills up: answers are 200 or 503 `ledger_unavailable`
   (never a bare 500), nothing written is damaged, and the sinks drain by themselves once the
-  stores are back and the shipper frees the disk.
+  stores are back and the shipper frees the disk; counted by run id, every call answered in full
+  has its span and every step the WAL dropped is named in the log and was not answered.
 
 Every load loop is bounded in requests and time; nothing here asserts on time.
 """
@@ -176,6 +177,12 @@ def assert_exactly_once(load: Load, spans: dict[str, list[dict[str, Any]]]) -> N
         f"{len(duplicated)} runs with more than one model span: {list(duplicated.items())[:5]}"
     )
     assert not lost, f"{len(lost)} completed requests without a span: {sorted(lost)[:5]}"
+
+
+def dropped_runs(log: str) -> set[str]:
+    """The runs the WAL's drop lines name (`WAL: N records of spans dropped (...); runs: ...`)."""
+    found = re.findall(r"WAL: \d+ records? of spans dropped .*?; runs: (.*?) \(\d+ payload bodies", log)
+    return {run for names in found for run in names.split()}
 
 
 def shipper_pid(data_dir: Path, not_pid: int = 0, timeout_s: float = 60.0) -> int:
@@ -429,6 +436,9 @@ async def test_disk_full_under_load_then_the_sinks_drain_by_themselves(upstream,
         proc = RuncapProcess(config, data)
         proc.start()
         try:
+            # The shipper up before the disk fills, as in a running deployment: it cannot start on
+            # a full disk (its cursor files need room), and then nothing would free it.
+            await asyncio.to_thread(shipper_pid, data)
             load, stop = Load("full"), asyncio.Event()
             traffic = asyncio.create_task(
                 drive(proc.url, load, stop, max_requests=20_000, max_seconds=120, body_bytes=16 << 10)
@@ -468,3 +478,9 @@ async def test_disk_full_under_load_then_the_sinks_drain_by_themselves(upstream,
         finally:
             proc.stop()
             ch.stop()
+    # ... and now it cannot: a step is answered only once it is on record; one the WAL dropped
+    # was refused (never answered), counted once per step, and named in the log.
+    assert not lost, f"{len(lost)} completed requests without a span: {sorted(lost)[:5]}"
+    dropped = dropped_runs((tmp_path / "runcap.log").read_text(errors="replace"))
+    assert len(dropped) == m['runcap_wal_dropped_total{what="record",writer="0"}']
+    assert not dropped & load.completed and not dropped & set(spans)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from proxy.spans.model import Payload, RunSnapshot, Span
 from proxy.spans.records import StepRecord, encode_step
 from proxy.spans.wal import HEADER_SIZE, WalWriter, frame_header, read_frames, segment_sealed, segments
 from tests.conftest import REPO
+from tests.support.disk import FillingDisk
 from tests.support.tmpfs import small_tmpfs
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -214,6 +216,150 @@ def test_a_short_group_write_keeps_its_whole_records_and_cuts_the_torn_rest(
     for name in segments(tmp_path):
         res = read_frames(tmp_path / name, 0, sealed=True, max_bytes=1 << 30)
         assert res.damaged == 0 and res.torn_bytes == 0
+
+
+# --- no room: held, appended first when space returns, or dropped before the answer ---------------
+
+
+class Fates(dict[str, str]):
+    """What each record's `on_done` was told, by run id ("" = in the WAL, else why it was dropped)."""
+
+    def of(self, run_id: str):  # type: ignore[no-untyped-def]
+        return lambda why: self.__setitem__(run_id, why)
+
+
+def logged_runs(text: str) -> list[str]:
+    """The runs the WAL's drop lines name, in order."""
+    return [run for names in re.findall(r"runs: (.*?) \(\d+ payload bodies", text) for run in names.split()]
+
+
+def step_runs(wal: Path) -> list[str]:
+    return [s.run_id for r in all_records(wal) for s in r.spans()]
+
+
+def assert_clean(wal: Path) -> None:
+    for name in segments(wal):
+        res = read_frames(wal / name, 0, sealed=True, max_bytes=1 << 30)
+        assert res.damaged == 0 and res.torn_bytes == 0, name
+
+
+def test_a_group_torn_by_a_full_disk_is_held_and_appended_first_when_space_returns(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The issue's short write: a group of ten steps, the disk full after two and a half of them.
+    The two whole ones stay, the torn third is cut off, and the eight that did not fit are held —
+    none of them told it is on record — then appended first, in order, before a newer step, once
+    there is room again."""
+    w = writer(tmp_path, hold_bytes=1 << 20)
+    bodies = [payload(os.urandom(1000) + bytes([i])) for i in range(10)]
+    framed = [HEADER_SIZE + sum(map(len, encode_step([make_span(i, run_id=f"run-{i}",
+              request_hash=b.sha256)], [], [b]))) for i, b in enumerate(bodies)]  # fmt: skip
+    disk = FillingDisk(monkeypatch, room=framed[0] + framed[1] + framed[2] // 2)
+    fates = Fates()
+    with w.group():
+        for i, body in enumerate(bodies):
+            span = make_span(i, run_id=f"run-{i}", request_hash=body.sha256)
+            assert w.append_step([span], [], [body], on_done=fates.of(f"run-{i}"))
+    assert disk.short_writes == 1
+    assert fates == {"run-0": "", "run-1": ""}  # on record; the others are not told anything yet
+    stats = w.stats()
+    assert (stats.appended_records, stats.held_records, stats.dropped_records) == (2, 8, 0)
+    assert step_runs(tmp_path) == ["run-0", "run-1"]  # the torn third was cut off
+    # still full: the next step waits behind the held ones, and trying again changes nothing
+    assert w.append_step([make_span(10, run_id="run-10")], on_done=fates.of("run-10"))
+    assert w.flush_held() == 9 and len(fates) == 2
+    disk.free()
+    assert w.flush_held() == 0
+    assert fates == {f"run-{i}": "" for i in range(11)}
+    w.append_step([make_span(11, run_id="run-11")])
+    stats = w.stats()
+    assert (stats.appended_records, stats.held_records, stats.dropped_records) == (12, 0, 0)
+    w.close()
+    assert step_runs(tmp_path) == [f"run-{i}" for i in range(12)]  # each once, in order
+    assert_clean(tmp_path)
+    records = all_records(tmp_path)
+    # what was held is its spans: its bodies went first (counted, their hashes blanked)
+    assert [bool(s.request_hash) for r in records[:10] for s in r.spans()] == [True] * 2 + [False] * 8
+    assert stats.dropped_payloads == 8
+
+
+def test_past_the_hold_records_are_dropped_counted_per_step_and_logged_with_their_runs(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """A group of several steps on a full disk: each step that the hold cannot keep is one
+    dropped record (not one per failed write), its `on_done` says why, and the log names its
+    run — every time, not once per 30 s."""
+    caplog.set_level("ERROR", logger="runcap.wal")
+    room = sum(HEADER_SIZE + sum(map(len, encode_step([make_span(i, run_id=f"run-{i}")], [], [])))
+               for i in range(3))  # fmt: skip
+    w = writer(tmp_path, hold_bytes=room, hold_s=60.0)  # holds three steps
+    disk = FillingDisk(monkeypatch, room=0)
+    fates = Fates()
+    for g in range(2):  # two groups of five steps
+        with w.group():
+            for i in range(g * 5, g * 5 + 5):
+                w.append_step([make_span(i, run_id=f"run-{i}")], on_done=fates.of(f"run-{i}"))
+    dropped = {run for run, why in fates.items() if why}
+    assert set(fates) == dropped == {f"run-{i}" for i in range(3, 10)}  # 3 held, 7 dropped
+    assert all("wal_hold_bytes" in why for why in fates.values())
+    stats = w.stats()
+    assert (stats.held_records, stats.dropped_records) == (3, 7)
+    assert sorted(logged_runs(caplog.text)) == sorted(dropped)  # each dropped run, once
+    # held past wal_hold_ms: dropped too, counted and logged
+    w.hold_s = 0.0
+    caplog.clear()
+    assert w.flush_held() == 0
+    assert {run for run, why in fates.items() if "wal_hold_ms" in why} == {"run-0", "run-1", "run-2"}
+    assert w.stats().dropped_records == 10
+    assert logged_runs(caplog.text) == ["run-0", "run-1", "run-2"]
+    disk.free()
+    w.close()
+    assert step_runs(tmp_path) == [] and disk.failed_writes >= 2
+
+
+def test_without_a_hold_each_step_of_a_failed_group_is_counted_and_its_run_logged(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The writer without a hold (the default for a bare WalWriter): a group that finds the disk
+    full drops all of its steps — ten steps are ten dropped records, all ten runs in the log."""
+    caplog.set_level("ERROR", logger="runcap.wal")
+    w = writer(tmp_path)
+    FillingDisk(monkeypatch, room=0)
+    fates = Fates()
+    with w.group():
+        for i in range(10):
+            span = make_span(i, run_id=f"run-{i}")
+            w.append_step([span], [], [payload(b"b%d" % i)], on_done=fates.of(f"run-{i}"))
+    assert w.stats().dropped_records == 10 and len(fates) == 10 and all(fates.values())
+    assert logged_runs(caplog.text) == [f"run-{i}" for i in range(10)]
+    w.close()
+
+
+def test_close_appends_what_is_held_if_there_is_room_and_drops_the_rest_counted(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A restart loses nothing that was answered: what is held was not answered (its caller
+    waits), and close() — shutting down — appends it if the disk has room again, else drops it,
+    counted and told."""
+    w = writer(tmp_path / "a", hold_bytes=1 << 20)
+    disk = FillingDisk(monkeypatch, room=0)
+    fates = Fates()
+    for i in range(3):
+        w.append_step([make_span(i, run_id=f"a-{i}")], on_done=fates.of(f"a-{i}"))
+    assert w.stats().held_records == 3 and fates == {}
+    disk.free()
+    w.close()
+    assert fates == {"a-0": "", "a-1": "", "a-2": ""}
+    assert step_runs(tmp_path / "a") == ["a-0", "a-1", "a-2"]
+
+    w = writer(tmp_path / "b", hold_bytes=1 << 20)
+    disk.fill(0)
+    for i in range(3):
+        w.append_step([make_span(i, run_id=f"b-{i}")], on_done=fates.of(f"b-{i}"))
+    w.close()
+    assert w.stats().dropped_records == 3 and all("shutting down" in fates[f"b-{i}"] for i in range(3))
+    disk.free()
+    assert step_runs(tmp_path / "b") == []
 
 
 # --- segments, torn tails, damage ----------------------------------------------------------------------

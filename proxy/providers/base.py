@@ -126,6 +126,10 @@ class StreamReader(Protocol):
         """What the stream said so far (usage may be partial or None if it was cut; `complete`
         once its closing event arrived)."""
 
+    @property
+    def ended(self) -> bool:
+        """The format's closing event arrived (complete or not: a chat `[DONE]` without usage)."""
+
 
 class Adapter(Protocol):
     """One wire format. Stateless; the same instance serves every request."""

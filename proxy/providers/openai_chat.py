@@ -165,6 +165,7 @@ class ChatStreamReader(SSEStreamReader):
 
     def on_event(self, event: SSEEvent) -> bool:
         if event.data == b"[DONE]":
+            self._ended = True
             self._closed = self._usage is not None
             return True
         chunk = event.json()

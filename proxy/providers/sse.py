@@ -137,7 +137,8 @@ class SSEStreamReader:
     events are parsed from a copy. With `may_drop` True complete events are relayed unless
     `on_event` returns False, and only an incomplete trailing event is held back.
 
-    A subclass sets `_closed` when its format's closing event arrives, and `_error` when the
+    A subclass sets `_closed` when its format's closing event arrives (and `_ended` when that
+    event arrived but does not make the stream complete), and `_error` when the
     upstream reports an error in the stream; `complete` and `error` combine them with the
     splitter's state for `info`. After an oversized event every byte is relayed as it comes,
     unread, whatever `may_drop` says, and the stream is not complete.
@@ -147,6 +148,7 @@ class SSEStreamReader:
         self._splitter = SSESplitter(max_event_bytes)
         self._may_drop = may_drop
         self._closed = False
+        self._ended = False
         self._error = ""
 
     def on_event(self, event: SSEEvent) -> bool:
@@ -161,6 +163,12 @@ class SSEStreamReader:
     def complete(self) -> bool:
         """The closing event arrived, and no event before it went unread."""
         return self._closed and not self._splitter.overflowed
+
+    @property
+    def ended(self) -> bool:
+        """The closing event arrived: what follows is the stream's end (forward.py relays it only
+        once the call is on record)."""
+        return self._closed or self._ended
 
     @property
     def error(self) -> str:

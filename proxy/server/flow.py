@@ -10,7 +10,9 @@ Hook order for one request:
                   response `flow.response_body` is set; steps may add `flow.reply_headers`
   done(flow)      the exchange is over (all bytes relayed, or it failed); always called once, and
                   before the agent has the end of the response (a buffered body, a stream's
-                  end-of-body: forward.py), so what a step records precedes a complete answer
+                  closing event and end-of-body: forward.py), so what a step records precedes a
+                  complete answer; a step that could not record it sets `flow.unrecorded`, and
+                  the agent gets that refusal instead of the end of the answer
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from aiohttp import web
 from proxy.caps import RunRequest
 from proxy.config import UpstreamConfig
 from proxy.context import ContextReading, Rewrite
+from proxy.errors import Rejection
 from proxy.ledger.base import Reservation, RunState
 from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
 from proxy.server.upstream_url import UpstreamTarget
@@ -77,6 +80,12 @@ class Flow:
     inner: bool = False
     # What runcap measured of the request's context (proxy/server/context.py); None: not measured.
     context: ContextReading | None = None
+    # A relayed stream's closing part (its closing event and anything after it), written only
+    # after the done steps (forward.py): the agent has a complete answer only once it is on record.
+    held_tail: bytes = b""
+    # Set by a done step that could not put the call on record (the span WAL had no room): the
+    # agent gets this refusal instead of the answer, or instead of the stream's closing part.
+    unrecorded: Rejection | None = None
 
     @property
     def flavor(self) -> str:

@@ -86,37 +86,8 @@ class Forwarder:
         # Chosen on the decoded form of exactly the path that is sent (upstream_url.py).
         adapter = adapter_for(upstream.flavor, target.path) if request.method == "POST" else None
         flow = Flow(request, upstream, target, adapter)
-        reply: web.StreamResponse | None = None
         try:
-            try:
-                await self._read(flow, clients)
-            except Rejection as rej:
-                return self._reject(flow, rej)
-            task = asyncio.current_task()
-            assert task is not None and flow.run is not None
-            # In flight from here: an operator's cancel also cuts what the steps do before the
-            # call (a context policy's summary call is a model call of its own).
-            self.flights.add(flow.run.run_id, task, flow)
-            self.metrics.in_flight.inc()
-            try:
-                try:
-                    for step in self.steps:
-                        await step.request(flow)
-                except Rejection as rej:
-                    return self._reject(flow, rej)
-                except asyncio.CancelledError:
-                    if flow.cut_reason != "cancel":
-                        raise  # shutting down
-                    task.uncancel()
-                    return self._reject(flow, RunCancelled(
-                        f"run {flow.run.run_id} was cancelled while runcap prepared this call; it was "
-                        "not sent. Start a new run to continue"
-                    ))  # fmt: skip
-                reply = await self._exchange(flow)
-                return reply
-            finally:
-                self.metrics.in_flight.dec()
-                self.flights.remove(flow.run.run_id, task)
+            reply = await self._answer(flow, clients)
         finally:
             for step in self.steps:
                 try:
@@ -125,12 +96,58 @@ class Forwarder:
                     log.exception(
                         "step %s failed after %s %s", type(step).__name__, request.method, request.path
                     )
-            if reply is not None and reply.prepared:
-                # A relayed stream ends only now, after the done steps (its trace record is in
-                # the WAL): an agent that got the whole response has it on record. A buffered
-                # body is sent after the handler returns, so after the steps too.
-                with contextlib.suppress(ConnectionResetError, RuntimeError):
-                    await reply.write_eof()
+        return await self._finish(flow, reply)
+
+    async def _answer(self, flow: Flow, clients: ClientAuth) -> web.StreamResponse:
+        """The call, up to the answer: a buffered response not yet sent, or a relayed stream
+        without its closing part (`flow.held_tail`) and end-of-body — both follow the done steps."""
+        try:
+            await self._read(flow, clients)
+        except Rejection as rej:
+            return self._reject(flow, rej)
+        task = asyncio.current_task()
+        assert task is not None and flow.run is not None
+        # In flight from here: an operator's cancel also cuts what the steps do before the
+        # call (a context policy's summary call is a model call of its own).
+        self.flights.add(flow.run.run_id, task, flow)
+        self.metrics.in_flight.inc()
+        try:
+            try:
+                for step in self.steps:
+                    await step.request(flow)
+            except Rejection as rej:
+                return self._reject(flow, rej)
+            except asyncio.CancelledError:
+                if flow.cut_reason != "cancel":
+                    raise  # shutting down
+                task.uncancel()
+                return self._reject(flow, RunCancelled(
+                    f"run {flow.run.run_id} was cancelled while runcap prepared this call; it was "
+                    "not sent. Start a new run to continue"
+                ))  # fmt: skip
+            return await self._exchange(flow)
+        finally:
+            self.metrics.in_flight.dec()
+            self.flights.remove(flow.run.run_id, task)
+
+    async def _finish(self, flow: Flow, reply: web.StreamResponse) -> web.StreamResponse:
+        """After the done steps: the answer, now that it is on record — or, when a step could not
+        record it (`flow.unrecorded`), that refusal instead: a buffered answer is replaced by it;
+        a stream gets it as an error event in place of its closing part, then its end."""
+        refused = flow.unrecorded
+        if not reply.prepared:
+            if refused is None:
+                return reply  # a buffered body is sent after the handler returns
+            self.metrics.rejections.labels(refused.code or refused.type).inc()
+            return refused.response(flow.flavor, {"X-Run-Id": flow.run.run_id} if flow.run else {})
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            if refused is not None:
+                self.metrics.rejections.labels(refused.code or refused.type).inc()
+                await reply.write(_error_event(flow.flavor, refused))
+            elif flow.held_tail:
+                await reply.write(flow.held_tail)
+            await reply.write_eof()
+        return reply
 
     async def _read(self, flow: Flow, clients: ClientAuth) -> None:
         """The run's headers and the body, read and checked (the steps' request hooks follow)."""
@@ -340,12 +357,19 @@ class Forwarder:
                 else:
                     captured = flow.captured = None  # too large to store: hash nothing
             out = reader.feed(chunk) if reader is not None else chunk
-            if out:
+            if reader is not None and reader.ended:
+                # The closing event arrived (in this chunk or before): from here on the bytes
+                # wait for the done steps, so the agent has the end only once it is on record.
+                flow.held_tail += out
+            elif out:
                 await reply.write(out)
         if reader is not None:
             tail = reader.close()
             if tail:
-                await reply.write(tail)
+                if reader.ended:
+                    flow.held_tail += tail
+                else:
+                    await reply.write(tail)
             info = flow.response_info = reader.info
             if flow.outcome == "ok" and not info.complete:
                 flow.outcome = "incomplete"
@@ -353,7 +377,7 @@ class Forwarder:
             elif flow.outcome == "ok" and info.error:
                 flow.outcome = "error"
                 flow.error = info.error
-        # the end of the body is written by handle(), after the done steps
+        # the closing part and the end of the body are written by _finish(), after the done steps
 
     async def _cut(self, flow: Flow, reply: web.StreamResponse | None, rej: Rejection) -> web.StreamResponse:
         """The call was cut (deadline, cancel, upstream failure). Before the agent got headers it
@@ -366,10 +390,14 @@ class Forwarder:
             headers = {"X-Run-Id": flow.run.run_id} if flow.run else {}
             return rej.response(flow.flavor, headers)
         try:
-            if flow.flavor == "anthropic":
-                await reply.write(b"event: error\ndata: " + rej.body("anthropic") + b"\n\n")
-            else:
-                await reply.write(b"data: " + rej.body("openai") + b"\n\n")
+            await reply.write(_error_event(flow.flavor, rej))
         except (ConnectionResetError, RuntimeError):
             pass
         return reply
+
+
+def _error_event(flavor: str, rej: Rejection) -> bytes:
+    """A rejection as an event of a stream already under way, in the stream's format."""
+    if flavor == "anthropic":
+        return b"event: error\ndata: " + rej.body("anthropic") + b"\n\n"
+    return b"data: " + rej.body("openai") + b"\n\n"

@@ -198,13 +198,21 @@ class _SpanCollector(Collector):
         dropped = CounterMetricFamily(
             "runcap_wal_dropped",
             "What this process could not append: payload bodies (WAL over 3/4 of wal_max_bytes, or "
-            "the disk full; their hashes are blank in the spans) and whole records (WAL at "
-            "wal_max_bytes, or the disk full even without bodies).",
+            "the disk full; their hashes are blank in the spans) and records, one per step (no room "
+            "for them even without bodies within wal_hold_bytes / wal_hold_ms: their calls were "
+            "refused; the log names the runs).",
             labels=["writer", "what"],
         )
         dropped.add_metric([*slot, "payload"], w.dropped_payloads)
         dropped.add_metric([*slot, "record"], w.dropped_records)
         yield dropped
+        held = GaugeMetricFamily(
+            "runcap_wal_held_records",
+            "Step records held in memory for want of room in the WAL (their answers wait with them).",
+            labels=["writer"],
+        )
+        held.add_metric(slot, w.held_records)
+        yield held
         st = self.spans.shipper_stats if self.spans.shipper_up() else None
         yield GaugeMetricFamily(
             "runcap_shipper_up", "1 when the span shipper answers on its socket.", value=1 if st else 0

@@ -13,6 +13,15 @@ each `done` waits for its record to be written, and one flush builds and encodes
 row and writes them with one system call (`SpanRecorder.group`). Under load that is several steps
 per turn (about 11 at 64 concurrent requests here), and a step costs half the CPU it costs alone
 (bench/README.md); an idle server pays one more loop turn per step.
+
+A step is answered only once its record is in the WAL. While the WAL has no room (a full disk,
+`wal_max_bytes` reached) its record is held in memory and `done` waits with it, the held records
+tried again every `_RETRY_S` (and before any newer one); a record the hold cannot keep (past
+`wal_hold_bytes` / `wal_hold_ms`) is dropped — counted per step and logged with its run by the
+WAL — and the call is refused instead of answered (`flow.unrecorded`: 503 `ledger_unavailable`,
+code `ledger_disk_full`), so every answered call has its span, and every call without one was
+told so. (A call runcap refused itself without forwarding it keeps that refusal, and does not
+wait while its record is held.)
 """
 
 from __future__ import annotations
@@ -21,10 +30,12 @@ import asyncio
 import functools
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from proxy.errors import LedgerUnavailable
 from proxy.hashing import args_hash, canonical_json, result_hash
 from proxy.ledger.base import RunState
 from proxy.money import NANOS_PER_USD
@@ -38,6 +49,8 @@ log = logging.getLogger("runcap.trace")
 # tool name, for the result's span) and the results it recorded (an agent that retries a request
 # resends them): bounded, least recently used first out.
 _MEMORY = 100_000
+# While records are held for want of room in the WAL, how often they are tried again.
+_RETRY_S = 0.05
 
 
 class _Memory(OrderedDict[tuple[str, str], tuple[int, str]]):
@@ -128,7 +141,8 @@ class TraceStep:
         self.recorder = recorder
         self._calls = _Memory()  # (run, call id) → (step that requested it, tool name)
         self._results = _Memory()  # (run, call id) of results already recorded
-        self._waiting: list[tuple[Flow, asyncio.Future[None]]] = []  # until this loop turn ends
+        self._waiting: list[tuple[Flow, asyncio.Future[str]]] = []  # until this loop turn ends
+        self._retry: asyncio.TimerHandle | None = None  # while the WAL holds records
 
     async def request(self, flow: Flow) -> None:
         pass
@@ -140,32 +154,65 @@ class TraceStep:
         if flow.run is None:
             return
         loop = asyncio.get_running_loop()
-        written = loop.create_future()
+        recorded: asyncio.Future[str] = loop.create_future()
         if not self._waiting:
             loop.call_soon(self._flush)
-        self._waiting.append((flow, written))
-        # Cancelled while waiting (shutting down): the record is written all the same.
-        await written
+        self._waiting.append((flow, recorded))
+        # Cancelled while waiting (shutting down): the record is written (or held) all the same.
+        why = await recorded
+        # Only a call that was made is withheld: runcap's own refusal of a call it did not forward
+        # (a cap, the ledger) stands as it is — its dropped record is counted and logged all the same.
+        if why and flow.upstream_status:
+            flow.unrecorded = LedgerUnavailable(
+                f"runcap could not put this call of run {flow.run.run_id} on record: {why} (its span "
+                "log, data_dir/wal, has no room: the disk is full or wal_max_bytes is reached). The "
+                "call was made and is charged to the run; its answer was withheld. Retry once the "
+                "disk has room",
+                backend="wal",
+                code="ledger_disk_full",
+            )
 
     def _flush(self) -> None:
         waiting, self._waiting = self._waiting, []
         try:
             with self.recorder.group():
-                for flow, _ in waiting:
+                for flow, recorded in waiting:
                     try:
-                        self._record(flow)
+                        self._record(flow, functools.partial(_tell, recorded))
                     except Exception:
+                        # A bug building this record, not a full disk: answered as before (and
+                        # logged), rather than refusing calls for a fault of runcap's tracing.
                         log.exception("recording the step of run %s failed", flow.run and flow.run.run_id)
+                        _tell(recorded, "")
         except Exception:
             log.exception("writing %d step records failed", len(waiting))
-        for _, written in waiting:
-            if not written.done():
-                written.set_result(None)
+            for _, recorded in waiting:
+                _tell(recorded, "the WAL writer failed")
+        for flow, recorded in waiting:
+            if not flow.upstream_status:
+                # Not forwarded (runcap refused it: a cap, the ledger): its refusal stands whatever
+                # becomes of the record, so it does not wait while the record is held.
+                _tell(recorded, "")
+        self._schedule_retry()
 
-    def _record(self, flow: Flow) -> None:
+    def _schedule_retry(self) -> None:
+        if self._retry is None and self.recorder.held():
+            self._retry = asyncio.get_running_loop().call_later(_RETRY_S, self._retry_held)
+
+    def _retry_held(self) -> None:
+        self._retry = None
+        if self._waiting:
+            return  # this turn's flush appends the held records first anyway
+        try:
+            self.recorder.flush_held()
+        except Exception:
+            log.exception("appending the held step records failed")
+        self._schedule_retry()
+
+    def _record(self, flow: Flow, on_done: Callable[[str], None]) -> None:
         assert flow.run is not None
         if flow.adapter is None:
-            self._passthrough(flow)
+            self._passthrough(flow, on_done)
             return
         rec = self.recorder
         is_error = flow.outcome != "ok"
@@ -266,9 +313,9 @@ class TraceStep:
                         args_hash=args_hash(call.arguments),
                     )
                 )
-        rec.step(spans, run_snapshot(state) if state is not None else None, bodies)
+        rec.step(spans, run_snapshot(state) if state is not None else None, bodies, on_done=on_done)
 
-    def _passthrough(self, flow: Flow) -> None:
+    def _passthrough(self, flow: Flow, on_done: Callable[[str], None]) -> None:
         """An endpoint runcap does not meter is still a step event: a `model` span naming the
         method and endpoint, with status, latency and outcome (no usage, no cost)."""
         assert flow.run is not None
@@ -298,4 +345,10 @@ class TraceStep:
             price_known=False,
             attributes=attributes,
         )
-        self.recorder.step([span])
+        self.recorder.step([span], on_done=on_done)
+
+
+def _tell(recorded: asyncio.Future[str], why: str) -> None:
+    """A record's fate, to the `done` that waits for it (if it still does)."""
+    if not recorded.done():
+        recorded.set_result(why)

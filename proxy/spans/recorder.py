@@ -10,13 +10,18 @@ run's new state and its bodies land together or not at all. `body()` applies the
 and hashes a body without writing it (the hash goes in the span first). `span()`, `run()` and
 `payload()` record one thing each (a record of its own). Within `group()`, records are written
 together when it ends (one write for all of them: the steps that end in one event-loop turn).
+
+A step's `on_done` is told when its record's fate is known — "" once it is in the WAL, else why
+it was dropped — so that the caller answers only what is on record (server/trace.py). While the
+WAL has no room a record is held in memory (bounded: `wal_hold_bytes`, `wal_hold_ms`), and
+`on_done` waits with it; `flush_held()` tries the held records again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -39,12 +44,25 @@ class SpanRecorder(Protocol):
         """A body to pass to `step` (None when the policy does not keep it); nothing written."""
 
     def step(
-        self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
+        self,
+        spans: Sequence[Span],
+        run: RunSnapshot | None = None,
+        bodies: Sequence[Payload] = (),
+        *,
+        on_done: Callable[[str], None] | None = None,
     ) -> None:
-        """Record one finished step — spans, the run's state, bodies — as one record."""
+        """Record one finished step — spans, the run's state, bodies — as one record. `on_done`
+        (when given) is called exactly once: with "" when the record is in the WAL, with the
+        reason when it was dropped."""
 
     def group(self) -> AbstractContextManager[None]:
         """Records made inside are written together, in order, when it exits."""
+
+    def held(self) -> int:
+        """Records waiting in memory for room in the WAL."""
+
+    def flush_held(self) -> int:
+        """Try the held records again; returns how many are still held."""
 
 
 class NullRecorder:
@@ -61,12 +79,24 @@ class NullRecorder:
         return None
 
     def step(
-        self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
+        self,
+        spans: Sequence[Span],
+        run: RunSnapshot | None = None,
+        bodies: Sequence[Payload] = (),
+        *,
+        on_done: Callable[[str], None] | None = None,
     ) -> None:
-        pass
+        if on_done is not None:
+            on_done("")  # nothing to record: nothing to wait for
 
     def group(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def held(self) -> int:
+        return 0
+
+    def flush_held(self) -> int:
+        return 0
 
 
 def sha256_hex(data: bytes) -> str:
@@ -101,9 +131,20 @@ class WalRecorder:
         return Payload(sha256_hex(data), data, content_type)
 
     def step(
-        self, spans: Sequence[Span], run: RunSnapshot | None = None, bodies: Sequence[Payload] = ()
+        self,
+        spans: Sequence[Span],
+        run: RunSnapshot | None = None,
+        bodies: Sequence[Payload] = (),
+        *,
+        on_done: Callable[[str], None] | None = None,
     ) -> None:
-        self.writer.append_step(spans, (run,) if run is not None else (), bodies)
+        self.writer.append_step(spans, (run,) if run is not None else (), bodies, on_done=on_done)
 
     def group(self) -> AbstractContextManager[None]:
         return self.writer.group()
+
+    def held(self) -> int:
+        return self.writer.held_records
+
+    def flush_held(self) -> int:
+        return self.writer.flush_held()

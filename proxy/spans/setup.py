@@ -113,6 +113,8 @@ def open_span_system(
         fsync_interval_s=config.wal_fsync_interval_ms / 1000.0,
         max_bytes=config.wal_max_bytes,
         segment_bytes=config.wal_segment_bytes,
+        hold_bytes=config.wal_hold_bytes,
+        hold_s=config.wal_hold_ms / 1000.0,
     )
     recorder = WalRecorder(writer, PayloadPolicy(config.payloads, config.payload_max_bytes))
     return SpanSystem(

@@ -24,8 +24,16 @@ Writer (one per process; not thread-safe — the event loop is its only caller):
   deleted. Truncating frees space, so this repair never needs any;
 * `max_bytes` bounds the whole WAL (all writers, as last measured plus what this process appended
   since): above 3/4 of it a record is appended without its bodies (their hashes are blanked in the
-  spans: `''` = not stored), at the bound a record is dropped — both counted and logged, spans
-  never silently.
+  spans: `''` = not stored), at the bound a record is not appended;
+* a record that cannot be appended even without its bodies (the disk full, the bound reached) is
+  held in memory — up to `hold_bytes` and `hold_s` — and appended first, before any newer record,
+  once there is room again (the next append, or `flush_held()`). A record past either bound is
+  dropped: counted one per record (a record is one step), logged with the runs it held, and its
+  `on_done` told so. The caller that waits for `on_done` (server/trace.py) answers only once its
+  record is in the WAL, or refuses the call: no answer goes out for a step that is only held, so a
+  restart, which loses what is held, loses nothing that was answered (`close()` appends what it can
+  and drops the rest, counted). Without `hold_bytes` a record that cannot be appended is dropped
+  at once.
 
 Reader: a frame whose magic, length or checksum is wrong is damage, skipped to the next frame
 that checks out (counted); an incomplete frame at the end is a record in progress in an active
@@ -47,7 +55,8 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,14 +77,28 @@ _JOIN_MAX = 64 << 10  # a record body up to this is joined into one buffer befor
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per writev
 
 
+# What a record's `on_done` is told: "" once it is in the WAL, else why it was dropped.
+RecordDone = Callable[[str], None]
+
+
 @dataclass(slots=True)
 class _Pending:
-    """A record encoded and not yet written (a group's)."""
+    """A record encoded and not yet written (a group's, or one held while the WAL had no room)."""
 
     spans: Sequence[Span]
     runs: Sequence[RunSnapshot]
     payloads: Sequence[Payload]
     parts: list[bytes]
+    on_done: RecordDone | None = None
+    held_since: float = 0.0  # monotonic; 0 while not held
+    dropped: bool = False
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + sum(map(len, self.parts))
+
+    def run_ids(self) -> list[str]:
+        return list(dict.fromkeys([*(s.run_id for s in self.spans), *(r.run_id for r in self.runs)]))
 
 
 def frame_header(body_parts: Sequence[bytes], time_ms: int) -> bytes:
@@ -300,9 +323,11 @@ class WriterStats:
     appended_records: int
     appended_bytes: int
     dropped_payloads: int  # bodies not appended: WAL over 3/4 of max_bytes, or the disk full
-    dropped_records: int  # whole records lost: WAL at max_bytes, or the disk full even without bodies
+    dropped_records: int  # whole records (steps) lost: no room for them within hold_bytes / hold_s
     append_errors: int
     wal_bytes: int  # estimate: last scan + appended since
+    held_records: int = 0  # not appended yet: waiting in memory for room
+    held_bytes: int = 0
 
 
 class WalWriter:
@@ -317,6 +342,8 @@ class WalWriter:
         max_bytes: int = 1 << 30,
         segment_bytes: int = 16 << 20,
         log_interval_s: float = 30.0,
+        hold_bytes: int = 0,
+        hold_s: float = 5.0,
     ) -> None:
         if fsync not in FSYNC_MODES:
             raise ValueError(f"wal_fsync must be one of {', '.join(FSYNC_MODES)} (got {fsync!r})")
@@ -329,6 +356,10 @@ class WalWriter:
         self.segment_bytes = segment_bytes
         self._log_interval_s = log_interval_s
         self._last_log: dict[str, float] = {}
+        self.hold_bytes = hold_bytes
+        self.hold_s = hold_s
+        self._held: deque[_Pending] = deque()  # oldest first: appended before any newer record
+        self._held_bytes = 0
         self.slot, self._slot_fd = _take_slot(self.directory)
         self._cut_torn_tail()
         self._lock = threading.Lock()  # the active fd, between a roll and the syncer
@@ -351,24 +382,32 @@ class WalWriter:
     # -- the request path ---------------------------------------------------------------------------
 
     def append_step(
-        self, spans: Sequence[Span], runs: Sequence[RunSnapshot] = (), payloads: Sequence[Payload] = ()
+        self,
+        spans: Sequence[Span],
+        runs: Sequence[RunSnapshot] = (),
+        payloads: Sequence[Payload] = (),
+        *,
+        on_done: RecordDone | None = None,
     ) -> bool:
-        """Append one record; False when it was dropped (counted and logged). Bodies may be left
-        out (counted), their hashes blanked in the spans. Inside `group()` the record is only
-        encoded here, and written when the group ends (True then means: queued)."""
+        """Append one record; False when it was dropped (counted and logged), True when it is in
+        the WAL or held until there is room. Bodies may be left out (counted), their hashes
+        blanked in the spans. `on_done` is called once the record's fate is known: with "" when
+        it is in the WAL, with the reason when it was dropped. Inside `group()` the record is
+        only encoded here, and written when the group ends (True then means: queued)."""
         if self._closed:
-            self._count_drop("record", 1, "the WAL writer is closed")
+            self._drop_records([_Pending(spans, runs, payloads, [], on_done)], "the WAL writer is closed")
             return False
         if payloads:
             if time.monotonic() < self._full_until:  # the disk was full a moment ago
                 payloads = self._drop_bodies(spans, payloads, "the disk is full")
             elif self._wal_estimate() >= self._body_bytes:
                 payloads = self._drop_bodies(spans, payloads, "the WAL is over 3/4 of wal_max_bytes")
-        record = _Pending(spans, runs, payloads, encode_step(spans, runs, payloads))
+        record = _Pending(spans, runs, payloads, encode_step(spans, runs, payloads), on_done)
         if self._group is not None:
             self._group.append(record)
             return True
-        return self._append(record)
+        self._append_group([record])
+        return not record.dropped
 
     @contextlib.contextmanager
     def group(self) -> Iterator[None]:
@@ -388,26 +427,38 @@ class WalWriter:
 
     def _append(self, record: _Pending, buffers: list[bytes] | None = None) -> bool:
         """One record (`buffers`: already framed): with its bodies unless the disk was full a
-        moment ago; without them if that fails (the spans alone may still fit); else dropped."""
+        moment ago; without them if that fails (the spans alone may still fit). False: not in
+        the WAL (its bodies are gone from it: what is held is its spans)."""
         if record.payloads and time.monotonic() < self._full_until:
-            record.payloads = self._drop_bodies(record.spans, record.payloads, "the disk is full")
-            record.parts, buffers = encode_step(record.spans, record.runs, ()), None
+            self._strip_bodies(record)
+            buffers = None
         if buffers is None:
             buffers = frame(record.parts, time.time_ns() // 1_000_000)
         if self._write(buffers, [sum(map(len, buffers))]):
             return True
         if record.payloads:  # the disk is full (or failing): the spans alone may still fit
-            payloads = self._drop_bodies(record.spans, record.payloads, "the disk is full")
-            buffers = frame(encode_step(record.spans, record.runs, payloads), time.time_ns() // 1_000_000)
-            if self._write(buffers, [sum(map(len, buffers))]):
+            self._strip_bodies(record)
+            if self._write(frame(record.parts, time.time_ns() // 1_000_000), [record.size]):
                 return True
-        self._count_drop("record", 1, "the WAL could not be written")
         return False
 
+    def _strip_bodies(self, record: _Pending) -> None:
+        record.payloads = self._drop_bodies(record.spans, record.payloads, "the disk is full")
+        record.parts = encode_step(record.spans, record.runs, ())
+
     def _append_group(self, pending: list[_Pending]) -> None:
+        """Append the held records, then `pending`, in order. Once a record fails even without its
+        bodies, the ones behind it are not tried (the disk has no room: one system call each
+        would only fail again): held, or dropped past the hold's bounds."""
+        if self._held:
+            pending = [*self._take_held(), *pending]
         time_ms = time.time_ns() // 1_000_000
+        failed: list[_Pending] = []
         at = 0
         while at < len(pending):
+            if failed:
+                failed.extend(pending[at:])
+                break
             # Whole records per writev, within the system's limit of buffers per call.
             buffers: list[bytes] = []
             ends: list[int] = []  # where each record ends in the buffers
@@ -420,14 +471,84 @@ class WalWriter:
                 ends.append((ends[-1] if ends else 0) + sum(map(len, framed)))
                 end += 1
             if end - at == 1:
-                self._append(pending[at], buffers)
+                if self._append(pending[at], buffers):
+                    _done(pending[at], "")
+                else:
+                    failed.append(pending[at])
             else:
                 # A failed or short write keeps the records it holds whole and cuts the rest off:
                 # those go record by record, so a full disk costs bodies before it costs records.
                 written = self._write(buffers, ends)
+                for record in pending[at : at + written]:
+                    _done(record, "")
                 for record in pending[at + written : end]:
-                    self._append(record)
+                    if failed or not self._append(record):
+                        failed.append(record)
+                    else:
+                        _done(record, "")
             at = end
+        self._hold(failed)
+
+    # -- records that do not fit: held, then dropped -------------------------------------------------
+
+    def _take_held(self) -> list[_Pending]:
+        """The held records to try again (oldest first); those held longer than `hold_s` are
+        dropped first."""
+        now = time.monotonic()
+        expired = []
+        while self._held and now - self._held[0].held_since > self.hold_s:
+            expired.append(self._held.popleft())
+        if expired:
+            self._drop_records(expired, f"no room in the WAL for wal_hold_ms = {self.hold_s * 1000:.0f} ms")
+        held, self._held = list(self._held), deque()
+        self._held_bytes = 0
+        return held
+
+    def _hold(self, records: list[_Pending]) -> None:
+        """Hold `records` (the tail of what was to be appended, in order) while `hold_bytes` has
+        room; drop the rest."""
+        if not records:
+            return
+        now = time.monotonic()
+        dropped = []
+        for record in records:
+            if record.payloads and self.hold_bytes:  # what is held is the spans: bodies go first
+                self._strip_bodies(record)
+            if self._held_bytes + record.size <= self.hold_bytes and not self._closed:
+                record.held_since = record.held_since or now
+                self._held.append(record)
+                self._held_bytes += record.size
+            else:
+                dropped.append(record)
+        if dropped:
+            why = (f"the WAL could not be written and wal_hold_bytes = {self.hold_bytes} is used up"
+                   if self.hold_bytes else "the WAL could not be written")  # fmt: skip
+            self._drop_records(dropped, why)
+
+    def _drop_records(self, records: list[_Pending], why: str) -> None:
+        """Records lost: counted one each (a record is a step), logged with their runs — every
+        time, not rate-limited: the log is where an operator finds which runs lost a span."""
+        self.dropped_records += len(records)
+        runs = list(dict.fromkeys(run for record in records for run in record.run_ids()))
+        waited = sum(1 for record in records if record.on_done is not None)
+        log.error("WAL: %d record%s of spans dropped (%s; %d of them awaited: those calls are refused, "
+                  "not answered); runs: %s (%d payload bodies and %d records so far)", len(records),
+                  "" if len(records) == 1 else "s", why, waited, " ".join(runs) or "-",
+                  self.dropped_payloads, self.dropped_records)  # fmt: skip
+        for record in records:
+            record.dropped = True
+            _done(record, why)
+
+    def flush_held(self) -> int:
+        """Try the held records again now (e.g. on a timer while the request path is idle): those
+        that fit are appended, those held past `hold_s` dropped. Returns how many are still held."""
+        if self._held and self._group is None and not self._closed:
+            self._append_group([])
+        return len(self._held)
+
+    @property
+    def held_records(self) -> int:
+        return len(self._held)
 
     def _write(self, buffers: list[bytes], ends: list[int]) -> int:
         """Write records framed back to back (`ends`: where each one ends in `buffers`). Returns
@@ -438,7 +559,7 @@ class WalWriter:
         if self._wal_estimate() + size > self.max_bytes:
             if len(ends) == 1:  # (a group is retried record by record: some may still fit)
                 self._warn("cap", "the WAL holds wal_max_bytes = %d bytes (a sink is down?): records are "
-                           "dropped", self.max_bytes)  # fmt: skip
+                           "held, then dropped", self.max_bytes)  # fmt: skip
             return 0
         if self._roll_wanted or self._offset >= self.segment_bytes:
             self._roll()
@@ -489,17 +610,10 @@ class WalWriter:
                 span.request_hash = ""
             if span.response_hash in dropped:
                 span.response_hash = ""
-        self._count_drop("payload", len(payloads), why)
+        self.dropped_payloads += len(payloads)
+        self._warn("drop-payload", "WAL: payload bodies dropped: %s (%d payload bodies and %d records so "
+                   "far)", why, self.dropped_payloads, self.dropped_records)  # fmt: skip
         return []
-
-    def _count_drop(self, what: str, n: int, why: str) -> None:
-        if what == "payload":
-            self.dropped_payloads += n
-        else:
-            self.dropped_records += n
-        self._warn(f"drop-{what}", "WAL: %s dropped: %s (%d payload bodies and %d records so far)",
-                   "payload bodies" if what == "payload" else "a record of spans", why,
-                   self.dropped_payloads, self.dropped_records)  # fmt: skip
 
     def _warn(self, key: str, message: str, *args: object) -> None:
         now = time.monotonic()
@@ -605,12 +719,23 @@ class WalWriter:
             dropped_records=self.dropped_records,
             append_errors=self.append_errors,
             wal_bytes=self._wal_estimate(),
+            held_records=len(self._held),
+            held_bytes=self._held_bytes,
         )
 
     def close(self) -> None:
+        """Append what is held if there is room now (its callers may still be waiting: shutting
+        down, their answers are not sent), drop the rest — counted and logged — and seal."""
         if self._closed:
             return
+        if self._held and self._group is None:
+            self.hold_s = float("inf")  # the last try: none expires on the way
+            self._append_group([])
         self._closed = True
+        if self._held:
+            held, self._held = list(self._held), deque()
+            self._held_bytes = 0
+            self._drop_records(held, "runcap is shutting down and the WAL still has no room")
         self._stop.set()
         self._syncer.join(5.0)
         try:
@@ -621,6 +746,15 @@ class WalWriter:
             os.close(self._fd)  # releases the segment's lock: sealed
             self._fd = -1
         os.close(self._slot_fd)
+
+
+def _done(record: _Pending, why: str) -> None:
+    if record.on_done is not None:
+        on_done, record.on_done = record.on_done, None  # told once
+        try:
+            on_done(why)
+        except Exception:  # a caller's bug must not stop the writer
+            log.exception("a WAL record's on_done failed")
 
 
 def _take_slot(directory: Path) -> tuple[int, int]:
