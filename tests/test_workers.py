@@ -29,7 +29,8 @@ async def appended_per_worker(url: str, total: int) -> dict[str, int]:
             async with s.get(f"{url}/metrics") as r:
                 text = await r.text()
         # any worker answers for all of them (proxy/server/worker_metrics.py)
-        matches = re.findall(r'^runcap_wal_appended_records_total\{writer="(\d+)"[^}]*\} (\S+)$', text, re.M)
+        line = r'^runcap_wal_appended_records_total\{[^}]*\bwriter="(\d+)"[^}]*\} (\S+)$'
+        matches = re.findall(line, text, re.M)
         assert matches
         for writer, value in matches:
             seen[writer] = int(float(value))
