@@ -105,3 +105,10 @@ async def test_the_rules_use_only_metrics_runcap_exports(runcap_factory) -> None
     used = {m for a in ALERTS for m in METRIC.findall(a["expr"])}
     assert used, "no runcap metric in the rules"
     assert not used - exported, f"the rules use metrics runcap does not export: {sorted(used - exported)}"
+
+
+def test_the_example_prometheus_config_loads_the_rules() -> None:
+    example = REPO / "deploy" / "prometheus" / "prometheus.yml"
+    done = promtool("check", "config", str(example))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS: 1 rule files found" in done.stdout
