@@ -16,6 +16,7 @@ from typing import Any
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO
 from tests.support.tools import need_command
@@ -112,3 +113,40 @@ def test_the_example_prometheus_config_loads_the_rules() -> None:
     done = promtool("check", "config", str(example))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS: 1 rule files found" in done.stdout
+
+
+def _sum(text: str, name: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
+async def test_added_latency_leaves_out_the_wait_for_the_upstream(runcap_factory, upstream) -> None:  # type: ignore[no-untyped-def]
+    """RuncapAddedLatencyHigh's metric: an upstream that takes DELAY before answering (buffered
+    or streamed) adds nothing to runcap_added_latency_seconds — exactly: each call's added time is
+    its duration less at least DELAY, whatever the machine's speed; a refused call adds none."""
+    delay = 0.4
+    upstream.scripts["slow"] = [{"text": "hi", "delay_s": delay}]
+    rc = await runcap_factory()
+    async with openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0) as c:
+        for stream in (False, True):
+            reply = await c.chat.completions.create(
+                model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}], stream=stream,
+                extra_headers={"X-Mock-Script": "slow"},
+            )  # fmt: skip
+            if stream:
+                async for _ in reply:  # type: ignore[union-attr]
+                    pass
+        with pytest.raises(openai.APIStatusError):  # refused: never forwarded
+            await c.chat.completions.create(
+                model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}],
+                extra_headers={"X-Run-Max-Steps": "0"},
+            )  # fmt: skip
+    text = rc.runtime.metrics.render().decode()
+    assert _sum(text, "runcap_added_latency_seconds_count") == 2
+    duration = _sum(text, "runcap_request_duration_seconds_sum")  # the refused call's included
+    added = _sum(text, "runcap_added_latency_seconds_sum")
+    assert 0 < added <= duration - 2 * delay, (added, duration)

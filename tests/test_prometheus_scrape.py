@@ -52,7 +52,9 @@ async def test_prometheus_scrapes_runcap_and_the_span_path_alert_turns_true(upst
     dead = free_port()  # nothing listens there: the span store is down from the start
     config = tmp_path / "runcap.toml"
     config.write_text(
-        f'log_requests = false\nworkers = {workers}\n'
+        # idle keep-alive connections closed before the next scrape: each scrape a new connection,
+        # taken by whichever worker the kernel picks (Prometheus keeps its connection otherwise)
+        f'log_requests = false\nworkers = {workers}\nkeepalive_timeout_s = 0.3\n'
         f'clickhouse_url = "http://default:@127.0.0.1:{dead}/runcap"\n'
         f'[upstreams.openai]\nurl = "{upstream.url}"\n'
         f'[tools.charge]\nurl = "{tools.url}/charge"\nside_effects = true\ntimeout_s = 0.3\n'
