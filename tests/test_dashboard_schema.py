@@ -3,7 +3,8 @@ TypeScript literal, must satisfy Grafana's `Dashboard` type from the npm package
 (the types Grafana's frontend uses) and runcap's narrowing of it (tests/grafana-schema/dashboard.ts:
 the panel plugins' option and field-config types, and the ClickHouse data source plugin's query
 model) under `tsc --noEmit --strict`. A panel Grafana would reject fails here; the second test
-plants such panels and checks that each one is caught.
+plants such panels and checks that each one is caught. The data source provisioning is checked
+against the plugin's settings the same way.
 
 The npm packages are pinned in tests/grafana-schema/package-lock.json (scripts/setup.sh runs
 `npm ci` there); without node or them the tests skip, and fail under CI."""
@@ -16,6 +17,8 @@ import re
 import subprocess
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tests.conftest import REPO
 from tests.support.tools import need_command, need_file
@@ -37,29 +40,42 @@ def typescript_of(name: str, board: dict[str, Any]) -> str:
     )
 
 
-def typecheck(boards: dict[str, dict[str, Any]], where: Path) -> dict[str, list[str]]:
-    """tsc's errors per board (none: it type-checks)."""
+def datasource_typescript(datasource: dict[str, Any]) -> str:
+    types = json.dumps(str(SCHEMA_DIR / "dashboard"))
+    return (
+        f"import type {{ ClickHouseDatasource }} from {types};\n\n"
+        "// dashboards/provisioning/datasources/clickhouse.yaml: the plugin's settings\n"
+        f"export const datasource = {json.dumps(datasource, indent=2)} satisfies ClickHouseDatasource;\n"
+    )
+
+
+def typecheck_sources(sources: dict[str, str], where: Path) -> dict[str, list[str]]:
+    """tsc's errors per source file (none: it type-checks)."""
     node = need_command("node", "the dashboard schema check runs tsc")
     install = "npm ci --prefix tests/grafana-schema"
     tsc = need_file(SCHEMA_DIR / "node_modules" / "typescript" / "bin" / "tsc", install)
     need_file(SCHEMA_DIR / "node_modules" / "@grafana" / "schema", install)
     where.mkdir(parents=True, exist_ok=True)
     (where / "node_modules").symlink_to(SCHEMA_DIR / "node_modules")  # '@grafana/schema' resolves here
-    for name, board in boards.items():
-        (where / f"{name}.ts").write_text(typescript_of(name, board))
-    config = {"extends": str(SCHEMA_DIR / "tsconfig.json"), "files": [f"{n}.ts" for n in boards]}
+    for name, source in sources.items():
+        (where / f"{name}.ts").write_text(source)
+    config = {"extends": str(SCHEMA_DIR / "tsconfig.json"), "files": [f"{n}.ts" for n in sources]}
     (where / "tsconfig.json").write_text(json.dumps(config))
     done = subprocess.run(
         [node, str(tsc), "-p", str(where / "tsconfig.json"), "--pretty", "false"],
         cwd=where, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    errors: dict[str, list[str]] = {name: [] for name in boards}
+    errors: dict[str, list[str]] = {name: [] for name in sources}
     for line in done.stdout.splitlines():
         m = re.match(r"^(?:.*/)?([\w.-]+)\.ts\(\d+,\d+\): error ", line)
         if m and m.group(1) in errors:
             errors[m.group(1)].append(line)
     assert done.returncode == 0 or any(errors.values()), done.stdout + done.stderr  # tsc itself failed
     return errors
+
+
+def typecheck(boards: dict[str, dict[str, Any]], where: Path) -> dict[str, list[str]]:
+    return typecheck_sources({name: typescript_of(name, b) for name, b in boards.items()}, where)
 
 
 def test_every_dashboard_satisfies_grafanas_schema(tmp_path: Path) -> None:
@@ -134,3 +150,22 @@ def test_each_planted_breakage_fails_the_type_check(tmp_path: Path) -> None:
     errors = typecheck(boards, tmp_path)
     passed = [name for name, errs in errors.items() if not errs]
     assert not passed, f"tsc accepted these broken dashboards: {passed}"
+
+
+# -- the data source provisioning ----------------------------------------------------------------
+
+DS_FILE = REPO / "dashboards" / "provisioning" / "datasources" / "clickhouse.yaml"
+
+
+def test_the_provisioned_datasource_has_the_plugins_settings(tmp_path: Path) -> None:
+    [ds] = yaml.safe_load(DS_FILE.read_text())["datasources"]
+    broken = copy.deepcopy(ds)
+    broken["jsonData"]["protocol"] = "https"  # the plugin knows native and http (secure: true)
+    misspelt = copy.deepcopy(ds)
+    misspelt["jsonData"]["defaultDb"] = misspelt["jsonData"].pop("defaultDatabase")
+    sources = {
+        n: datasource_typescript(d) for n, d in (("ds", ds), ("broken", broken), ("misspelt", misspelt))
+    }
+    errors = typecheck_sources(sources, tmp_path)
+    assert errors["ds"] == [], errors["ds"]
+    assert errors["broken"] and errors["misspelt"], errors

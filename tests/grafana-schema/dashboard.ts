@@ -109,3 +109,46 @@ export type RuncapDashboard = Json<
 
 // Grafana's own Dashboard type, as JSON.
 export type GrafanaDashboard = Json<Dashboard>;
+
+// -- the data source, as dashboards/provisioning/datasources/clickhouse.yaml provisions it -----
+// The plugin's settings (CHConfig in src/types/config.ts; the backend reads them in
+// pkg/plugin/settings.go). `version` is written by the plugin when it saves its settings.
+
+export interface ClickHouseJsonData {
+  version?: string;
+  host: string;
+  port: number;
+  protocol: 'native' | 'http';
+  secure?: boolean;
+  path?: string;
+  tlsSkipVerify?: boolean;
+  tlsAuth?: boolean;
+  tlsAuthWithCACert?: boolean;
+  username: string;
+  defaultDatabase?: string;
+  defaultTable?: string;
+  connMaxLifetime?: string;
+  dialTimeout?: string;
+  maxIdleConns?: string;
+  maxOpenConns?: string;
+  queryTimeout?: string;
+  validateSql?: boolean;
+}
+
+export interface ClickHouseSecureJsonData {
+  password?: string;
+  tlsCACert?: string;
+  tlsClientCert?: string;
+  tlsClientKey?: string;
+}
+
+// One entry of a provisioning file's `datasources` (Grafana's provisioning format).
+export interface ClickHouseDatasource {
+  name: string;
+  uid: string;
+  type: 'grafana-clickhouse-datasource';
+  isDefault?: boolean;
+  editable?: boolean;
+  jsonData: ClickHouseJsonData;
+  secureJsonData?: ClickHouseSecureJsonData;
+}
