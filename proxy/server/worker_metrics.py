@@ -38,7 +38,7 @@ from proxy.spans.control import ShipperUnavailable, _address
 
 log = logging.getLogger("runcap.server")
 
-SIBLING_TIMEOUT_S = 1.0
+SIBLING_TIMEOUT_S = 2.5  # well within Prometheus' default scrape_timeout (10 s)
 MAX_EXPOSITION_BYTES = 64 << 20
 
 
@@ -148,9 +148,9 @@ class WorkerSiblings:
 
     async def exposition(self) -> bytes:
         others = [w for w in range(self.workers) if w != self.worker]
-        answers = await asyncio.gather(*(self._ask(w) for w in others))
-        # Read last, so the shipper's counters are never older than those of the previous scrape.
-        stats = await self._shipper_stats()
+        # The shipper's statistics read now, not as last polled: whichever worker answers the
+        # next scrape reads them later still, so its counters never go back.
+        stats, *answers = await asyncio.gather(self._shipper_stats(), *(self._ask(w) for w in others))
         families = _decode(_encode(self.metrics.registry.collect()), self.worker)
         up = GaugeMetricFamily(
             "runcap_worker_up", "1 when the worker answered this scrape (serve --workers N).",
