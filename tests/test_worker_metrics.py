@@ -53,9 +53,10 @@ async def start_two_workers(tmp_path: Path, upstream_url: str) -> RuncapProcess:
         listening = set(re.findall(r'"event": "listening".*?"pid": (\d+)', log_path.read_text()))
         sockets = list((tmp_path / "data").glob("worker-*.metrics.sock"))
         if len(listening) == 2 and len(sockets) == 2:
-            break
+            return proc
         await asyncio.sleep(0.1)
-    return proc
+    proc.stop()
+    raise AssertionError(f"two workers did not start:\n{log_path.read_text()[-2000:]}")
 
 
 async def test_two_workers_answer_one_exposition_and_counters_never_go_back(upstream, tmp_path):  # type: ignore[no-untyped-def]
