@@ -22,25 +22,39 @@ if [[ ",$extras," == *,test,* ]] && ! command -v redis-server >/dev/null 2>&1; t
     fi
 fi
 
-# The Vercel AI SDK test (tests/test_frameworks.py) runs node with the npm packages pinned in
-# tests/node (package-lock.json); without node it is skipped with a loud reason.
+# The alert rules' tests (tests/test_alert_rules.py, tests/test_prometheus_scrape.py) run
+# promtool and a real Prometheus server: Debian's prometheus package (its service is not started).
+if [[ ",$extras," == *,test,* ]] && ! { command -v promtool && command -v prometheus; } >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+        echo "promtool/prometheus are missing: install them (apt-get install prometheus) to run the alert rules' tests" >&2
+    fi
+fi
+
+# Two node folders with npm packages pinned by their package-lock.json: tests/node, the Vercel
+# AI SDK (tests/test_frameworks.py), and tests/grafana-schema, Grafana's dashboard types and tsc
+# (tests/test_dashboard_schema.py). Without node those tests are skipped with a loud reason
+# (and fail under CI=true).
 if [[ ",$extras," == *,test,* ]]; then
     if ! command -v npm >/dev/null 2>&1; then
         if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
             apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
         else
-            echo "npm is missing: install nodejs and npm (apt-get install nodejs npm) to run the Vercel AI SDK test" >&2
+            echo "npm is missing: install nodejs and npm (apt-get install nodejs npm) to run the node tests" >&2
         fi
     fi
-    node_stamp=tests/node/node_modules/.runcap-installed
-    node_want="$(cat tests/node/package.json tests/node/package-lock.json | sha256sum | cut -c1-16)"
-    if command -v npm >/dev/null 2>&1 && [ "$(cat "$node_stamp" 2>/dev/null)" != "$node_want" ]; then
-        if npm ci --prefix tests/node --no-audit --no-fund --loglevel=error >/dev/null; then
-            echo "$node_want" > "$node_stamp"
-        else
-            echo "npm ci in tests/node failed: the Vercel AI SDK test will be skipped" >&2
+    for node_dir in tests/node tests/grafana-schema; do
+        node_stamp=$node_dir/node_modules/.runcap-installed
+        node_want="$(cat "$node_dir/package.json" "$node_dir/package-lock.json" | sha256sum | cut -c1-16)"
+        if command -v npm >/dev/null 2>&1 && [ "$(cat "$node_stamp" 2>/dev/null)" != "$node_want" ]; then
+            if npm ci --prefix "$node_dir" --no-audit --no-fund --loglevel=error >/dev/null; then
+                echo "$node_want" > "$node_stamp"
+            else
+                echo "npm ci in $node_dir failed: its tests will be skipped" >&2
+            fi
         fi
-    fi
+    done
 fi
 
 stamp=.venv/.runcap-installed

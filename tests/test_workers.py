@@ -28,9 +28,12 @@ async def appended_per_worker(url: str, total: int) -> dict[str, int]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
             async with s.get(f"{url}/metrics") as r:
                 text = await r.text()
-        match = re.search(r'^runcap_wal_appended_records_total\{writer="(\d+)"\} (\S+)$', text, re.M)
-        assert match is not None
-        seen[match.group(1)] = int(float(match.group(2)))
+        # any worker answers for all of them (proxy/server/worker_metrics.py)
+        line = r'^runcap_wal_appended_records_total\{[^}]*\bwriter="(\d+)"[^}]*\} (\S+)$'
+        matches = re.findall(line, text, re.M)
+        assert matches
+        for writer, value in matches:
+            seen[writer] = int(float(value))
         if sum(seen.values()) == total:
             break
     return seen

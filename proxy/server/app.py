@@ -47,6 +47,7 @@ from proxy.server.tools import ToolGateway
 from proxy.server.topup import RunCapsAdmin
 from proxy.server.trace import TraceStep
 from proxy.server.upstream_url import UnsafePath, decode_segment, remaining_segments
+from proxy.server.worker_metrics import WorkerSiblings
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
 from proxy.spans.supervisor import ShipperSupervisor, die_with_parent
@@ -307,6 +308,8 @@ def _serve_one(config: Config, reuse_port: bool, worker: int | None, parent_pid:
     _install_uvloop()
     # Each worker appends to WAL segments of its own; the shipper `serve` supervises ships them.
     app = build_app(config, span_options={"shipper": "external"})
+    if worker is not None:  # a scrape reaching any worker answers for all of them
+        WorkerSiblings(app[RUNTIME].metrics, config.data_dir, worker, config.workers).add_to(app)
     # The request path allocates many short-lived objects; the heap also holds large long-lived
     # tables (prices). Freeze what start-up built so collections never rescan it, and
     # collect the young generation less often: ~4% of a request's CPU went to the collector.

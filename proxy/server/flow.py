@@ -66,6 +66,10 @@ class Flow:
     response_info: ResponseInfo | None = None
     streamed: bool = False
     ttft_ms: float | None = None
+    # Waiting for the upstream: from sending the request to its last byte (a stream's relay
+    # included); None until the call was sent. The rest of duration_ms is runcap's own.
+    upstream_started: float | None = None
+    upstream_ms: float | None = None
     usage: Usage | None = None  # as settled
     cost_nanos: int = 0
     price_known: bool = True
@@ -102,6 +106,11 @@ class Flow:
     @property
     def duration_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0
+
+    def upstream_answered(self) -> None:
+        """The upstream's answer is in (or the exchange failed): stop its clock, once."""
+        if self.upstream_started is not None and self.upstream_ms is None:
+            self.upstream_ms = (time.perf_counter() - self.upstream_started) * 1000.0
 
 
 class FlowStep(Protocol):

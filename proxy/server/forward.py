@@ -216,6 +216,7 @@ class Forwarder:
         url = flow.target.url
         reply: web.StreamResponse | None = None
         upstream: aiohttp.ClientResponse | None = None
+        flow.upstream_started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
                 upstream = await self.session.request(
@@ -260,11 +261,13 @@ class Forwarder:
                 f"{type(e).__name__}: {e}".rstrip(": ")
             ))  # fmt: skip
         finally:
+            flow.upstream_answered()  # cut short: the wait ends here
             if upstream is not None:
                 release_or_drop(upstream)
 
     async def _buffered(self, flow: Flow, upstream: aiohttp.ClientResponse) -> web.Response:
         body = await upstream.read()
+        flow.upstream_answered()
         flow.response_body = body
         flow.status = upstream.status
         if upstream.status >= 400:
@@ -363,6 +366,7 @@ class Forwarder:
                 flow.held_tail += out
             elif out:
                 await reply.write(out)
+        flow.upstream_answered()
         if reader is not None:
             tail = reader.close()
             if tail:

@@ -1,13 +1,16 @@
 """Prometheus metrics (`GET /metrics`) and the step that feeds them.
 
-One registry per app (tests build several apps in one process). With `serve --workers N` each
-worker exports its own series; scrape every worker or sum them in Prometheus.
+Two registries per app (tests build several apps in one process): `registry`, what this process
+counts (requests, caps, its WAL appends, its ledger writes, its connections), and
+`shipper_registry`, the span shipper's view (WAL on disk, sinks), the same whichever process reads
+it. With `serve --workers N` any worker may answer a scrape: it answers for all of them, each
+worker's series labelled `worker` and the shipper's view once (proxy/server/worker_metrics.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,7 +24,9 @@ if TYPE_CHECKING:
     from proxy.ledger.guarded import GuardedLedger
     from proxy.server.connections import ConnectionGuard
     from proxy.server.flow import Flow
+    from proxy.server.worker_metrics import WorkerSiblings
     from proxy.spans.setup import SpanSystem
+    from proxy.spans.wal import WalWriter
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -44,6 +49,7 @@ _LATENCY_BUCKETS = (
 )
 _CONTEXT_BUCKETS = (1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 200000, 400000, 1000000)
 _LEDGER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25)
+_ADDED_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 # Model names come from clients and upstreams: bound the label values (and so the series).
@@ -54,6 +60,10 @@ class Metrics:
     def __init__(self) -> None:
         self._models: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
+        self.shipper_registry = CollectorRegistry(auto_describe=True)
+        self.spans: SpanSystem | None = None
+        # `serve --workers N`: the worker's view of its siblings, set by worker_metrics.py
+        self.siblings: WorkerSiblings | None = None
         r = self.registry
         self.requests = Counter(
             "runcap_requests", "Requests answered, by upstream, endpoint and status.",
@@ -62,6 +72,13 @@ class Metrics:
         self.latency = Histogram(
             "runcap_request_duration_seconds", "Time from request in to last byte out.",
             ["upstream", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.added_latency = Histogram(
+            "runcap_added_latency_seconds",
+            "Time runcap itself added to a forwarded model call: from request in to last byte "
+            "out, less the time waiting for the upstream's answer (a stream's relay counts as "
+            "upstream time).",
+            buckets=_ADDED_BUCKETS, registry=r,
         )  # fmt: skip
         self.rejections = Counter(
             "runcap_rejections", "Calls refused by runcap, by reason (cap code, deadline, cancel...).",
@@ -112,7 +129,9 @@ class Metrics:
         """Export the span path: this process's WAL appends and drops, and the shipper's view —
         WAL bytes, unshipped bytes and the age of the oldest unshipped record per sink, errors."""
         if spans.writer is not None:
-            self.registry.register(_SpanCollector(spans))
+            self.spans = spans
+            self.registry.register(_WalWriterCollector(spans.writer))
+            self.shipper_registry.register(_ShipperCollector(spans))
 
     def watch_ledger(self, ledger: GuardedLedger) -> None:
         """Export the ledger's failures and the writes waiting for it, read at scrape time."""
@@ -153,7 +172,14 @@ class Metrics:
             self.unpriced.labels(model).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This process's exposition: its own series and the shipper's view."""
+        return generate_latest(self.registry) + generate_latest(self.shipper_registry)
+
+    async def exposition(self) -> bytes:
+        """What `GET /metrics` answers: with sibling workers, every worker's series at once."""
+        if self.siblings is None:
+            return self.render()
+        return await self.siblings.exposition()
 
 
 class MetricsStep:
@@ -172,18 +198,21 @@ class MetricsStep:
         pass
 
     async def done(self, flow: Flow) -> None:
+        duration_ms = flow.duration_ms
         self.m.requests.labels(flow.upstream.name, flow.endpoint, str(flow.status)).inc()
-        self.m.latency.labels(flow.upstream.name, flow.endpoint).observe(flow.duration_ms / 1000.0)
+        self.m.latency.labels(flow.upstream.name, flow.endpoint).observe(duration_ms / 1000.0)
+        if flow.upstream_ms is not None:  # forwarded (a refused call adds nothing to wait for)
+            self.m.added_latency.observe(max(0.0, duration_ms - flow.upstream_ms) / 1000.0)
 
 
-class _SpanCollector(Collector):
-    def __init__(self, spans: SpanSystem) -> None:
-        self.spans = spans
+class _WalWriterCollector(Collector):
+    """This process's WAL writer: what it appended and what it had to drop."""
+
+    def __init__(self, writer: WalWriter) -> None:
+        self.writer = writer
 
     def collect(self) -> Iterator[Metric]:
-        writer = self.spans.writer
-        assert writer is not None
-        w = writer.stats()
+        w = self.writer.stats()
         # `writer`: this process's WAL writer slot, so the series of --workers N never collide
         slot = [str(w.slot)]
         for name, doc, value in (
@@ -213,49 +242,70 @@ class _SpanCollector(Collector):
         )
         held.add_metric(slot, w.held_records)
         yield held
+
+
+class _ShipperCollector(Collector):
+    """The span shipper's view, as last polled (every `stats_interval_s`)."""
+
+    def __init__(self, spans: SpanSystem) -> None:
+        self.spans = spans
+
+    def collect(self) -> Iterator[Metric]:
         st = self.spans.shipper_stats if self.spans.shipper_up() else None
-        yield GaugeMetricFamily(
-            "runcap_shipper_up", "1 when the span shipper answers on its socket.", value=1 if st else 0
-        )
-        yield GaugeMetricFamily(
-            "runcap_wal_bytes", "Bytes of WAL segments on disk (all processes).",
-            value=st["wal_bytes"] if st else w.wal_bytes,
-        )  # fmt: skip
-        if st is None:
-            return
-        yield CounterMetricFamily(
-            "runcap_shipper_restarts", "Times the span shipper process was restarted.", value=st["restarts"]
-        )
-        yield CounterMetricFamily(
-            "runcap_wal_damaged_records",
-            "Damaged WAL regions the shipper skipped to the next valid record (since it started).",
-            value=st["damaged_records"],
-        )
-        sinks = st["sinks"]
-        gauges = {
-            "runcap_wal_unshipped_bytes": ("WAL bytes a sink has not taken yet.", "unshipped_bytes"),
-            "runcap_wal_oldest_unshipped_age_seconds": (
-                "Age of the oldest WAL record a sink has not taken yet (alert on it: a store has "
-                "been down that long).",
-                "oldest_unshipped_age_s",
-            ),
-            "runcap_sink_retry_in_seconds": ("Time until a failing sink's next attempt.", "retry_in_s"),
-        }
-        for name, (doc, key) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["sink"])
-            for sink, s in sinks.items():
-                g.add_metric([sink], s[key])
-            yield g
-        counters = {
-            "runcap_sink_errors": ("Failed writes to a sink (retries included).", "errors"),
-            "runcap_sink_records_written": ("WAL records a sink took.", "records_written"),
-            "runcap_sink_rejected": ("Payloads a store can never take (damaged), skipped.", "rejected"),
-        }  # since the shipper (re)started: Prometheus counters handle the resets
-        for name, (doc, key) in counters.items():
-            c = CounterMetricFamily(name, doc, labels=["sink"])
-            for sink, s in sinks.items():
-                c.add_metric([sink], s[key])
-            yield c
+        return shipper_families(self.spans, st)
+
+
+def shipper_families(spans: SpanSystem, st: dict[str, Any] | None) -> Iterator[Metric]:
+    """The shipper's view from its statistics `st` (None: the shipper does not answer)."""
+    writer = spans.writer
+    assert writer is not None
+    yield GaugeMetricFamily(
+        "runcap_shipper_up", "1 when the span shipper answers on its socket.", value=1 if st else 0
+    )
+    yield GaugeMetricFamily(
+        "runcap_wal_bytes", "Bytes of WAL segments on disk (all processes).",
+        value=st["wal_bytes"] if st else writer.stats().wal_bytes,
+    )  # fmt: skip
+    yield GaugeMetricFamily(
+        "runcap_wal_max_bytes",
+        "wal_max_bytes: past 3/4 of it payload bodies are dropped, at it whole records.",
+        value=writer.max_bytes,
+    )
+    if st is None:
+        return
+    yield CounterMetricFamily(
+        "runcap_shipper_restarts", "Times the span shipper process was restarted.", value=st["restarts"]
+    )
+    yield CounterMetricFamily(
+        "runcap_wal_damaged_records",
+        "Damaged WAL regions the shipper skipped to the next valid record (since it started).",
+        value=st["damaged_records"],
+    )
+    sinks = st["sinks"]
+    gauges = {
+        "runcap_wal_unshipped_bytes": ("WAL bytes a sink has not taken yet.", "unshipped_bytes"),
+        "runcap_wal_oldest_unshipped_age_seconds": (
+            "Age of the oldest WAL record a sink has not taken yet (alert on it: a store has "
+            "been down that long).",
+            "oldest_unshipped_age_s",
+        ),
+        "runcap_sink_retry_in_seconds": ("Time until a failing sink's next attempt.", "retry_in_s"),
+    }
+    for name, (doc, key) in gauges.items():
+        g = GaugeMetricFamily(name, doc, labels=["sink"])
+        for sink, s in sinks.items():
+            g.add_metric([sink], s[key])
+        yield g
+    counters = {
+        "runcap_sink_errors": ("Failed writes to a sink (retries included).", "errors"),
+        "runcap_sink_records_written": ("WAL records a sink took.", "records_written"),
+        "runcap_sink_rejected": ("Payloads a store can never take (damaged), skipped.", "rejected"),
+    }  # since the shipper (re)started: Prometheus counters handle the resets
+    for name, (doc, key) in counters.items():
+        c = CounterMetricFamily(name, doc, labels=["sink"])
+        for sink, s in sinks.items():
+            c.add_metric([sink], s[key])
+        yield c
 
 
 class _LedgerCollector(Collector):

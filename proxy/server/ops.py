@@ -117,7 +117,8 @@ class OpsRoutes:
         return _json({"status": "ready", "ledger": name})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+        body = await self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
     def _run_id(self, request: web.Request) -> str:
         run_id = request.match_info["run_id"]
