@@ -79,6 +79,7 @@ from proxy.mcp.wire import (
     InvalidMessage,
     SSEParser,
     ToolDenied,
+    check_agent_message,
     dumps,
     error_message,
     is_request,
@@ -225,6 +226,8 @@ class MCPGateway(ToolRoute):
             )
         try:
             messages, batch = parse_messages(body)
+            for m in messages:
+                check_agent_message(m)
         except InvalidMessage as e:
             message = error_message(None, PARSE_ERROR, f"runcap could not route this body: {e}")
             return web.Response(status=400, body=dumps(message), headers={"Content-Type": JSON})

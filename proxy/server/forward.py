@@ -25,6 +25,7 @@ from proxy.context.stream import sse_answer
 from proxy.errors import (
     BudgetExceeded,
     DeadlineExceeded,
+    InternalError,
     InvalidRequest,
     PayloadTooLarge,
     Rejection,
@@ -92,31 +93,20 @@ class Forwarder:
                 await self._read(flow, clients)
             except Rejection as rej:
                 return self._reject(flow, rej)
-            task = asyncio.current_task()
-            assert task is not None and flow.run is not None
-            # In flight from here: an operator's cancel also cuts what the steps do before the
-            # call (a context policy's summary call is a model call of its own).
-            self.flights.add(flow.run.run_id, task, flow)
-            self.metrics.in_flight.inc()
-            try:
-                try:
-                    for step in self.steps:
-                        await step.request(flow)
-                except Rejection as rej:
-                    return self._reject(flow, rej)
-                except asyncio.CancelledError:
-                    if flow.cut_reason != "cancel":
-                        raise  # shutting down
-                    task.uncancel()
-                    return self._reject(flow, RunCancelled(
-                        f"run {flow.run.run_id} was cancelled while runcap prepared this call; it was "
-                        "not sent. Start a new run to continue"
-                    ))  # fmt: skip
-                reply = await self._exchange(flow)
+            reply = await self._forward(flow)
+            return reply
+        except Exception as e:
+            # A bug: the agent gets a 500 in its own error shape, and the done steps (access log,
+            # span) record that 500 — not the "0 ok" of a flow nobody finished.
+            log.exception("%s %s failed inside runcap", request.method, request.path)
+            reply = reply or flow.reply
+            if reply is not None and reply.prepared:
+                flow.outcome, flow.error = "error", f"{type(e).__name__} inside runcap"
                 return reply
-            finally:
-                self.metrics.in_flight.dec()
-                self.flights.remove(flow.run.run_id, task)
+            return self._reject(flow, InternalError(
+                f"runcap failed on this request ({type(e).__name__}); the call may not have been "
+                "sent. This is a bug in runcap: report it with the server log"
+            ))  # fmt: skip
         finally:
             for step in self.steps:
                 try:
@@ -131,6 +121,33 @@ class Forwarder:
                 # body is sent after the handler returns, so after the steps too.
                 with contextlib.suppress(ConnectionResetError, RuntimeError):
                     await reply.write_eof()
+
+    async def _forward(self, flow: Flow) -> web.StreamResponse:
+        """The steps' request hooks, then the upstream exchange (the run's call is in flight)."""
+        task = asyncio.current_task()
+        assert task is not None and flow.run is not None
+        # In flight from here: an operator's cancel also cuts what the steps do before the
+        # call (a context policy's summary call is a model call of its own).
+        self.flights.add(flow.run.run_id, task, flow)
+        self.metrics.in_flight.inc()
+        try:
+            try:
+                for step in self.steps:
+                    await step.request(flow)
+            except Rejection as rej:
+                return self._reject(flow, rej)
+            except asyncio.CancelledError:
+                if flow.cut_reason != "cancel":
+                    raise  # shutting down
+                task.uncancel()
+                return self._reject(flow, RunCancelled(
+                    f"run {flow.run.run_id} was cancelled while runcap prepared this call; it was "
+                    "not sent. Start a new run to continue"
+                ))  # fmt: skip
+            return await self._exchange(flow)
+        finally:
+            self.metrics.in_flight.dec()
+            self.flights.remove(flow.run.run_id, task)
 
     async def _read(self, flow: Flow, clients: ClientAuth) -> None:
         """The run's headers and the body, read and checked (the steps' request hooks follow)."""
@@ -159,7 +176,7 @@ class Forwarder:
             try:
                 flow.info = flow.adapter.parse_request(body)
             except BodyError as e:
-                raise InvalidRequest(str(e), param="body") from None
+                raise InvalidRequest(str(e), param=e.field) from None
             except RecursionError:
                 # orjson takes up to 1024 levels; the readers recurse (a 500 was the answer)
                 raise InvalidRequest(
@@ -310,7 +327,9 @@ class Forwarder:
             flow.outcome = "error"
         for step in self.steps:
             await step.response(flow)
-        reply = web.StreamResponse(status=upstream.status, headers=self._reply_headers(flow, upstream))
+        reply = flow.reply = web.StreamResponse(
+            status=upstream.status, headers=self._reply_headers(flow, upstream)
+        )
         await reply.prepare(flow.request)
         return reply
 
