@@ -139,7 +139,10 @@ class OpsRoutes:
         guard: AdminGuard,
         span_store: ShipperClient | None = None,
         recorder: SpanRecorder | None = None,
+        metrics_guard: AdminGuard | None = None,
     ) -> None:
+        """`metrics_guard`: who may scrape /metrics ([metrics] require_token); None: anyone."""
+        self.metrics_guard = metrics_guard
         self.ledger = ledger
         self.metrics = metrics
         self.flights = flights
@@ -175,6 +178,11 @@ class OpsRoutes:
         return _json({"status": "ready", "ledger": name})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
+        if self.metrics_guard is not None:
+            try:
+                self.metrics_guard.check(request)
+            except Unauthorized as rej:
+                return rej.response("openai")
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     def _run_id(self, request: web.Request) -> str:
