@@ -40,6 +40,7 @@ from proxy.server.data_dir import make_private
 from proxy.server.flow import Flights, Flow, FlowStep
 from proxy.server.forward import Forwarder
 from proxy.server.inner import InnerCalls
+from proxy.server.local_trust import LocalTrust
 from proxy.server.metrics import OVERFLOW_LABEL, Metrics, MetricsStep
 from proxy.server.ops import OpsRoutes
 from proxy.server.reconcile import IdempotencyAdmin
@@ -119,7 +120,12 @@ def build_app(
     spans = open_span_system(config, **(span_options or {}))
     metrics.watch_spans(spans)
     rt = Runtime(config, ledger, prices, metrics, Flights(), spans)
-    app = web.Application(client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536})
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        handler_args={"max_field_size": 65536},
+        # Host / Origin against DNS rebinding, before any route (server/local_trust.py)
+        middlewares=[LocalTrust(config).middleware],
+    )
     app[RUNTIME] = rt
 
     guard = AdminGuard(config.admin_token)

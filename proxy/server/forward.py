@@ -27,7 +27,6 @@ from proxy.errors import (
     DeadlineExceeded,
     InternalError,
     InvalidRequest,
-    PayloadTooLarge,
     Rejection,
     RunCancelled,
     UpstreamUnavailable,
@@ -39,6 +38,7 @@ from proxy.server.flow import Flights, Flow, FlowStep
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
+from proxy.server.request_body import read_body
 from proxy.server.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.forward")
@@ -95,6 +95,12 @@ class Forwarder:
                 return self._reject(flow, rej)
             reply = await self._forward(flow)
             return reply
+        except ConnectionError:
+            # The client went away (while sending its body): nobody to answer; on record as 499.
+            flow.status, flow.outcome, flow.error = flow.status or 499, "cancelled", "client disconnected"
+            raise
+        except web.HTTPException:
+            raise  # an answer aiohttp sends itself
         except Exception as e:
             # A bug: the agent gets a 500 in its own error shape, and the done steps (access log,
             # span) record that 500 — not the "0 ok" of a flow nobody finished.
@@ -158,13 +164,7 @@ class Forwarder:
             require_run_id=self.config.require_run_id,
             tenant=clients.tenant(request),
         )
-        try:
-            flow.body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(
-                f"request body is larger than max_body_bytes = {self.config.max_body_bytes} bytes",
-                param="max_body_bytes",
-            ) from None
+        flow.body = await read_body(request, self.config.max_body_bytes)
         if flow.adapter is not None:
             try:
                 body = orjson.loads(flow.body)
