@@ -218,14 +218,14 @@ def check_run_header_names(headers: Mapping[str, str]) -> None:
     appends its cap after the agent's must not get the agent's, and `X-Run-Max-Dollars` must not
     leave the run without a cap."""
     seen: dict[str, int] = {}
-    for name in headers.keys():  # every copy of a repeated header, in a multidict
+    for name, _ in headers.items():  # every copy of a repeated header (a multidict's keys() has one)
         lower = name.lower()
         if lower.startswith("x-run-") or lower in ("idempotency-key",):
             seen[lower] = seen.get(lower, 0) + 1
     for lower, n in seen.items():
         known = _RUN_HEADERS.get(lower) or next((h for h in _SINGLE if h.lower() == lower), None)
         if known is None:
-            close = difflib.get_close_matches(lower, list(_RUN_HEADERS), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(_synonyms(lower), list(_RUN_HEADERS), n=1, cutoff=0.6)
             hint = f"did you mean {_RUN_HEADERS[close[0]]}?" if close else f"known: {', '.join(RUN_HEADERS)}"
             shown = next(k for k in headers.keys() if k.lower() == lower)
             raise InvalidRequest(
@@ -238,6 +238,17 @@ def check_run_header_names(headers: Mapping[str, str]) -> None:
                 f"{known}: sent {n} times; send it once (which copy should win is not runcap's guess)",
                 param=known,
             )
+
+
+# Words for a header's subject that difflib cannot see are the same (X-Run-Max-Dollars: usd).
+_SYNONYMS = (("dollars", "usd"), ("dollar", "usd"), ("budget", "usd"), ("cost", "usd"), ("spend", "usd"),
+             ("toolcalls", "tool-calls"), ("tools", "tool-calls"), ("seconds", "timeout"))  # fmt: skip
+
+
+def _synonyms(name: str) -> str:
+    for word, known in _SYNONYMS:
+        name = name.replace(word, known)
+    return name
 
 
 def _apply(value, default, ceiling):  # type: ignore[no-untyped-def]

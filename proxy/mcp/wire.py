@@ -94,8 +94,9 @@ def check_agent_message(message: dict[str, Any]) -> None:
         raise InvalidMessage(f"id: {len(rid)} characters, beyond the {MAX_ID_CHARS} runcap accepts")
     if isinstance(rid, int) and not INT64_MIN <= rid <= UINT64_MAX:
         raise InvalidMessage(f"id: beyond a 64-bit integer ({INT64_MIN} to {UINT64_MAX})")
-    if isinstance(rid, float) and (not math.isfinite(rid) or not rid.is_integer()):
-        raise InvalidMessage("id: a string or an integer (JSON-RPC), not a fraction")
+    # orjson reads integers beyond 64 bits as floats: an integral float is an id up to 2**53.
+    if isinstance(rid, float) and (not math.isfinite(rid) or not rid.is_integer() or abs(rid) > 2**53):
+        raise InvalidMessage("id: a string or an integer (JSON-RPC) of at most 64 bits, not a fraction")
     method = message.get("method")
     if method is not None and not (isinstance(method, str) and len(method) <= MAX_NAME_CHARS):
         raise InvalidMessage(f"method: a string of at most {MAX_NAME_CHARS} characters")

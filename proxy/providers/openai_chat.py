@@ -249,8 +249,9 @@ class ChatCompletionsAdapter:
         limit = limit_field(body, "max_completion_tokens")
         if limit is None:
             limit = limit_field(body, "max_tokens")
+        choices = choices_count(body)  # read (and bounded) with or without a limit
         if limit is not None:
-            limit *= choices_count(body)
+            limit *= choices
         messages = list_field(body, "messages", required=True)
         tools = list_field(body, "tools")
         functions = list_field(body, "functions")

@@ -234,8 +234,6 @@ class OpsRoutes:
         the store (embedded chdb lives in its process only) and checks every query with sqlguard."""
         try:
             self.guard.check(request)
-            if self.span_store is None:
-                raise NotFound("no span store: tracing is off in this runcap's configuration")
             try:
                 body = await request.json(loads=orjson.loads)
             except ValueError:
@@ -249,6 +247,8 @@ class OpsRoutes:
             if len(sql) > MAX_SQL_CHARS:
                 raise InvalidRequest(f'"sql": {len(sql)} characters, beyond {MAX_SQL_CHARS}', param="sql")
             check_sql_params(params)
+            if self.span_store is None:
+                raise NotFound("no span store: tracing is off in this runcap's configuration")
         except (InvalidRequest, NotFound, Unauthorized) as rej:
             return rej.response("openai")
         try:
