@@ -8,23 +8,47 @@ caps are fixed when the run is first seen and later requests may only lower them
 
 from __future__ import annotations
 
+import difflib
 import re
 import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
+from proxy.bounds import ASCII_INT, MAX_CAP, MAX_USD, PLAIN_DECIMAL
 from proxy.config import CapsConfig
 from proxy.errors import InvalidRequest
 from proxy.money import usd_to_nanos
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# One run-id grammar, matched in full whichever way it is called (`\Z`, not `$`, which also
+# matches before a trailing newline: `abc\n` was a run id on the admin routes).
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}\Z")
 # A run id as the ledger and the admin routes know it: with `[auth] client_tokens` it is
 # `{tenant}:{run id}` (tenant names have no ':', so no two tenants' ids can meet).
-LEDGER_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
-_INT_RE = re.compile(r"^\s*\d{1,18}\s*$")
+LEDGER_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,200}\Z")
+_INT_RE = ASCII_INT
+_DECIMAL_RE = PLAIN_DECIMAL
+# Every run header an agent may send: any other `X-Run-*` is a 400 naming the closest of these
+# (a misspelled cap must not leave the run without its cap).
+RUN_HEADERS = (
+    "X-Run-Id",
+    "X-Run-Task",
+    "X-Run-Max-Usd",
+    "X-Run-Max-Tokens",
+    "X-Run-Max-Steps",
+    "X-Run-Max-Tool-Calls",
+    "X-Run-Max-Context-Tokens",
+    "X-Run-Deadline",
+    "X-Run-Timeout",
+    "X-Run-Context-Policy",
+    "X-Run-Operation-Id",
+    "X-Run-Client-Token",
+)
+_RUN_HEADERS = {name.lower(): name for name in RUN_HEADERS}
+# Headers read once per request that a second copy would silently lose to the first.
+_SINGLE = ("Idempotency-Key",)
 _MAX_UNIX_SECONDS = 253402300800.0  # 10000-01-01: beyond what dates (and RFC 3339) can say
 
 
@@ -98,6 +122,7 @@ def parse_run_headers(
 ) -> RunRequest:
     """`tenant` (from the client token, when `[auth] client_tokens` is set) namespaces the run id:
     one tenant can neither see, lower, cancel nor collide with another's run."""
+    check_run_header_names(headers)
     run_id = headers.get("X-Run-Id")
     generated = False
     if run_id is None:
@@ -188,6 +213,44 @@ def parse_run_headers(
     return RunRequest(run_id, generated, task, caps, operation_id, key)
 
 
+def check_run_header_names(headers: Mapping[str, str]) -> None:
+    """Each run header at most once, and no `X-Run-*` runcap does not know: a platform that
+    appends its cap after the agent's must not get the agent's, and `X-Run-Max-Dollars` must not
+    leave the run without a cap."""
+    seen: dict[str, int] = {}
+    for name, _ in headers.items():  # every copy of a repeated header (a multidict's keys() has one)
+        lower = name.lower()
+        if lower.startswith("x-run-") or lower in ("idempotency-key",):
+            seen[lower] = seen.get(lower, 0) + 1
+    for lower, n in seen.items():
+        known = _RUN_HEADERS.get(lower) or next((h for h in _SINGLE if h.lower() == lower), None)
+        if known is None:
+            close = difflib.get_close_matches(_synonyms(lower), list(_RUN_HEADERS), n=1, cutoff=0.6)
+            hint = f"did you mean {_RUN_HEADERS[close[0]]}?" if close else f"known: {', '.join(RUN_HEADERS)}"
+            shown = next(k for k in headers.keys() if k.lower() == lower)
+            raise InvalidRequest(
+                f"{shown[:80]}: not a run header runcap knows ({hint}); runcap consumes every X-Run-* "
+                "header, so a misspelled one would be a cap silently missing",
+                param=shown[:80],
+            )
+        if n > 1:
+            raise InvalidRequest(
+                f"{known}: sent {n} times; send it once (which copy should win is not runcap's guess)",
+                param=known,
+            )
+
+
+# Words for a header's subject that difflib cannot see are the same (X-Run-Max-Dollars: usd).
+_SYNONYMS = (("dollars", "usd"), ("dollar", "usd"), ("budget", "usd"), ("cost", "usd"), ("spend", "usd"),
+             ("toolcalls", "tool-calls"), ("tools", "tool-calls"), ("seconds", "timeout"))  # fmt: skip
+
+
+def _synonyms(name: str) -> str:
+    for word, known in _SYNONYMS:
+        name = name.replace(word, known)
+    return name
+
+
 def _apply(value, default, ceiling):  # type: ignore[no-untyped-def]
     return _min(value if value is not None else default, ceiling)
 
@@ -202,13 +265,17 @@ def _task_cap(header, task_cap, ceiling, otherwise):  # type: ignore[no-untyped-
 def _usd(raw: str | None) -> int | None:
     if raw is None:
         return None
-    try:
-        d = Decimal(raw.strip())
-    except InvalidOperation:
-        d = Decimal("NaN")
-    if not d.is_finite() or d < 0 or d > Decimal(1_000_000_000):
+    text = raw.strip(" \t")
+    d = Decimal(text) if _DECIMAL_RE.fullmatch(text) else None
+    if d is None:
         raise InvalidRequest(
-            f"X-Run-Max-Usd: {raw[:40]!r} is not a dollar amount (a decimal like 2.50, ≥ 0)",
+            f"X-Run-Max-Usd: {raw[:40]!r} is not a dollar amount (a plain decimal like 2.50: ASCII "
+            "digits and one point, no sign, exponent or separator)",
+            param="X-Run-Max-Usd",
+        )
+    if d > MAX_USD:
+        raise InvalidRequest(
+            f"X-Run-Max-Usd: {raw[:40]!r} is above the largest dollar cap runcap accepts ({MAX_USD})",
             param="X-Run-Max-Usd",
         )
     return usd_to_nanos(d)
@@ -217,29 +284,39 @@ def _usd(raw: str | None) -> int | None:
 def _count(raw: str | None, header: str) -> int | None:
     if raw is None:
         return None
-    if not _INT_RE.match(raw):
-        raise InvalidRequest(f"{header}: {raw[:40]!r} is not a whole number ≥ 0", param=header)
-    return int(raw)
+    text = raw.strip(" \t")
+    if not _INT_RE.fullmatch(text):
+        raise InvalidRequest(
+            f"{header}: {raw[:40]!r} is not a whole number ≥ 0 (ASCII digits only)", param=header
+        )
+    if len(text) > 16 or int(text) > MAX_CAP:
+        raise InvalidRequest(
+            f"{header}: {raw[:40]!r} is above the largest cap runcap accepts ({MAX_CAP})", param=header
+        )
+    return int(text)
 
 
 def _seconds(raw: str | None, header: str) -> float | None:
     if raw is None:
         return None
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise InvalidRequest(f"{header}: {raw[:40]!r} is not a number of seconds > 0", param=header)
+    text = raw.strip(" \t")
+    value = float(text) if _DECIMAL_RE.fullmatch(text) and len(text) <= 40 else float("nan")
+    if not value > 0:
+        raise InvalidRequest(
+            f"{header}: {raw[:40]!r} is not a number of seconds > 0 (ASCII digits, optionally one point)",
+            param=header,
+        )
     return value
 
 
 def _deadline(raw: str | None) -> float | None:
     if raw is None:
         return None
-    text = raw.strip()
+    text = raw.strip(" \t")
     try:
-        if re.fullmatch(r"\d+(\.\d+)?", text):
+        if not text.isascii():
+            raise ValueError("not ASCII")
+        if _DECIMAL_RE.fullmatch(text):
             value = float(text)
             if value >= _MAX_UNIX_SECONDS:
                 raise ValueError("after year 9999")

@@ -13,6 +13,7 @@ from typing import Any
 
 from proxy.config import ConfigError, load_config
 from proxy.server.auth import cli_admin_token
+from proxy.server.data_dir import PRIVATE_UMASK
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -170,6 +171,9 @@ def _add_read_commands(sub: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # What any command creates is private (the data dir's files: server/data_dir.py); a read
+    # command that opens the embedded store itself creates files in it too.
+    os.umask(PRIVATE_UMASK)
     try:
         return _dispatch(args)
     except ConfigError as e:

@@ -194,6 +194,17 @@ class Config:
     mcp: Mapping[str, MCPServerConfig] = field(default_factory=dict)
     # [context]: thresholds of the context policies and of the growth alert (proxy/context/).
     context: ContextSettings = field(default_factory=ContextSettings)
+    # [metrics]: GET /metrics needs the admin token (or `metrics_token`) when required; model
+    # labels are "all" names or only "catalog" names (the default with client tokens: what one
+    # tenant calls its models is not for the other tenants' eyes).
+    metrics_require_token: bool = False
+    metrics_token: str | None = None
+    metrics_model_labels: str = "all"
+    # [local]: who may drive a runcap on this machine (server/local_trust.py): the Host names it
+    # answers to (besides the loopback names and the listen address) and the browser Origins it
+    # accepts ("*" = any: a deployment behind its own gateway).
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
     @property
     def listen(self) -> str:
@@ -217,7 +228,7 @@ _TOP_KEYS = {
     "header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "max_connections_per_client",
     "payload_retention_days", "payload_store_max_bytes",
     "wal_fsync", "wal_fsync_interval_ms", "wal_max_bytes", "wal_segment_bytes", "shipper_nice", "context",
-    "wal_hold_bytes", "wal_hold_ms",
+    "wal_hold_bytes", "wal_hold_ms", "metrics", "local",
 }  # fmt: skip
 
 
@@ -356,12 +367,26 @@ def build_config(
             f"{wal_max_bytes} (segments are deleted whole: the bound needs several)"
         )
 
+    client_tokens = _client_tokens(_table(raw, "auth"), env)
+    metrics = _metrics(raw.get("metrics", {}), env, tenants=bool(client_tokens))
+    allowed_hosts, allowed_origins = _local(raw.get("local", {}))
+    admin_token = env.get("RUNCAP_ADMIN_TOKEN") or raw.get("admin_token") or None
+    if admin_token is not None:
+        setting = "RUNCAP_ADMIN_TOKEN" if env.get("RUNCAP_ADMIN_TOKEN") else "admin_token"
+        if not isinstance(admin_token, str) or len(admin_token) < MIN_ADMIN_TOKEN_CHARS:
+            raise ConfigError(
+                f"{setting}: an admin token needs at least {MIN_ADMIN_TOKEN_CHARS} characters (this one "
+                f"has {len(admin_token) if isinstance(admin_token, str) else 0}); generate one with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`, or unset it and runcap "
+                "generates one in its data directory"
+            )
+
     return Config(
         listen_host=host,
         listen_port=port,
         data_dir=Path(str(data)),
         require_run_id=_bool(raw, "", "require_run_id", False),
-        admin_token=env.get("RUNCAP_ADMIN_TOKEN") or raw.get("admin_token") or None,
+        admin_token=admin_token,
         max_body_bytes=_int(raw, "", "max_body_bytes", minimum=1, default=32 * 1024 * 1024),
         workers=n_workers,
         upstreams=upstreams,
@@ -380,7 +405,7 @@ def build_config(
         tracing=tracing,
         ledger_retention_s=float(retention) if retention is not None else 7 * 24 * 3600.0,
         tool_max_response_bytes=_int(raw, "", "tool_max_response_bytes", minimum=1, default=8 * 1024 * 1024),
-        client_tokens=_client_tokens(_table(raw, "auth"), env),
+        client_tokens=client_tokens,
         **seconds,
         max_connections_per_client=_int(raw, "", "max_connections_per_client", minimum=0, default=256),
         payload_retention_days=float(retention_days) if retention_days is not None else 30.0,
@@ -394,7 +419,68 @@ def build_config(
         shipper_nice=shipper_nice,
         mcp=mcp,
         context=context,
+        **metrics,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
     )
+
+
+# An admin token opens every run, cancel and top-up: at least as long as a generated one's
+# entropy needs (secrets.token_urlsafe(32) is 43 characters).
+MIN_ADMIN_TOKEN_CHARS = 32
+MODEL_LABEL_MODES = ("all", "catalog")
+
+
+def _metrics(section: Any, env: Mapping[str, str], *, tenants: bool) -> dict[str, Any]:
+    """`[metrics]`: `require_token` (GET /metrics needs the admin token, or `token`), `token`
+    (a scrape token of its own, "env:VAR" or the token; setting it requires it), `model_labels`."""
+    if not isinstance(section, dict):
+        raise ConfigError("metrics: expected a table")
+    _only(section, "metrics", {"require_token", "token", "model_labels"})
+    token = _str(section, "metrics", "token")
+    if token is not None:
+        if token.startswith("env:"):
+            name = token[4:]
+            token = env.get(name, "")
+            if not token:
+                raise ConfigError(f"metrics.token: environment variable {name} is not set")
+        if len(token) < MIN_ADMIN_TOKEN_CHARS:
+            raise ConfigError(
+                f"metrics.token: a scrape token needs at least {MIN_ADMIN_TOKEN_CHARS} characters"
+            )
+    require = _bool(section, "metrics", "require_token", token is not None)
+    if token is not None and not require:
+        raise ConfigError(
+            "metrics.require_token: false contradicts metrics.token (a token that is not required)"
+        )
+    labels = _str(section, "metrics", "model_labels", "catalog" if tenants else "all")
+    if labels not in MODEL_LABEL_MODES:
+        raise ConfigError(
+            f"metrics.model_labels: expected one of {', '.join(MODEL_LABEL_MODES)}, got {labels!r}"
+        )
+    return {"metrics_require_token": require, "metrics_token": token, "metrics_model_labels": labels}
+
+
+def _local(section: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`[local]`: `allowed_hosts` (Host names besides loopback and the listen address; "*" = any)
+    and `allowed_origins` (browser Origins, "scheme://host[:port]"; "*" = any)."""
+    if not isinstance(section, dict):
+        raise ConfigError("local: expected a table")
+    _only(section, "local", {"allowed_hosts", "allowed_origins"})
+    hosts = tuple(h.lower() for h in _str_list(section, "local", "allowed_hosts"))
+    for h in hosts:
+        if h != "*" and ("/" in h or h.startswith(".") or not h.strip()):
+            raise ConfigError(
+                f'local.allowed_hosts: {h!r} is not a host name (like "runcap.internal" or "10.0.0.5")'
+            )
+    origins = tuple(o.lower().rstrip("/") for o in _str_list(section, "local", "allowed_origins"))
+    for o in origins:
+        parts = urlsplit(o)
+        if o != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path):
+            raise ConfigError(
+                f'local.allowed_origins: {o!r} is not an origin (scheme://host[:port], like "https://app.example.com")'
+            )
+    return hosts, origins
 
 
 def parse_listen(value: str, setting: str) -> tuple[str, int]:

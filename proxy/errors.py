@@ -123,6 +123,17 @@ class IdempotencyKeyReused(Rejection):
         super().__init__(message, code="idempotency_key_reused", param="Idempotency-Key")
 
 
+class InternalError(Rejection):
+    """A bug in runcap (an exception it did not expect): answered in the agent's error shape, so
+    the client reads a message and the access log and span record the 500 the agent got."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="internal_error")
+
+
 class NotFound(Rejection):
     status = 404
     type = "not_found"

@@ -198,6 +198,15 @@ class PriceBook:
     def is_priced(self, provider: str, model: str) -> bool:
         return self._resolve(provider, model) is not None
 
+    def catalog_name(self, provider: str, model: str) -> str | None:
+        """The public name a model is known by — an operator's `[prices]` key, else the
+        genai-prices model id (`gpt-4o-mini-2024-07-18` → `gpt-4o-mini`) — or None: a name only
+        its caller knows (a fine-tune, a private deployment). For tenant-free metric labels."""
+        if model in self._overrides:
+            return model
+        info = self._find_model(provider, model)
+        return info.id if info is not None else None
+
     # -- resolution ---------------------------------------------------------------------------
 
     def _resolve_uncached(self, provider: str, model: str) -> _Resolved | None:

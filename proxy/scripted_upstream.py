@@ -920,6 +920,10 @@ class ScriptedUpstream:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             return await coro
+        except (TypeError, AttributeError, KeyError, ValueError) as e:
+            # A field of a type the provider would refuse (`"instructions": 1`): a 400 as the
+            # provider answers it, not a crash of the test upstream (a 500 runcap would relay).
+            raise _BadRequest(f"Invalid request body: {type(e).__name__}: {e}") from None
         except asyncio.CancelledError:
             # With handler cancellation on, a client that goes away cancels the handler.
             if not rec.dropped:

@@ -52,7 +52,7 @@ from tests.test_spans import ClickHouseProcess
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 
-TOKEN = "sql-guard-admin-token"
+TOKEN = "sql-guard-admin-token-of-32-chars"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 SECRET = f"canary-{secrets.token_hex(8)}"
 

@@ -26,7 +26,7 @@ from tests.support.oncall_scenarios import REFUND, Agent, Facts, Services, play,
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-TOKEN = "cli-read-token"
+TOKEN = "cli-read-token-at-least-32-characters"
 REFUND_HASH = hashlib.sha256(canonical_json(REFUND)).hexdigest()
 PRICES = PriceBook()
 

@@ -39,7 +39,7 @@ def sample_env() -> dict[str, str]:
     for line in ENV_EXAMPLE.read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             key, _, value = line.partition("=")
-            env[key.strip()] = value.strip() or f"{key.strip().lower()}-0123abcd"
+            env[key.strip()] = value.strip() or f"{key.strip().lower()}-0123abcd0123abcd0123abcd"
     return env
 
 

@@ -65,7 +65,7 @@ async def idle_closed_after(port: int) -> float:
     """One request on a keep-alive connection, then silence: how long until runcap closes it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         head = await reader.readuntil(b"\r\n\r\n")
         length = next(
             int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
@@ -111,13 +111,13 @@ async def test_slow_clients_are_cut_and_normal_ones_keep_their_latency(upstream,
         before = await normal_calls(url)
 
         slow_headers = [
-            closed_after(proc.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            closed_after(proc.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
             for _ in range(120)
         ]
         slow_bodies = [
             closed_after(
                 proc.port,
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 b"X-Run-Id: slow-body\r\nContent-Length: 1000\r\n\r\n{",
             )
             for _ in range(40)

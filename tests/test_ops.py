@@ -64,7 +64,7 @@ async def test_health_ready_metrics(runcap, upstream):  # type: ignore[no-untype
 
 
 async def test_cancel_aborts_in_flight_and_refuses_later_calls(runcap_factory, upstream):  # type: ignore[no-untyped-def]
-    rc = await runcap_factory({"admin_token": "s3cret"})
+    rc = await runcap_factory({"admin_token": "s3cret" * 6})
     upstream.scripts["slow"] = [{"text": "word " * 50, "chunk_delay_s": 0.05}]
     c = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k")
     h = {"X-Run-Id": "cx", "X-Mock-Script": "slow"}
@@ -81,7 +81,7 @@ async def test_cancel_aborts_in_flight_and_refuses_later_calls(runcap_factory, u
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{rc.url}/runs/cx/cancel") as r:
             assert r.status == 401  # admin token required
-        async with s.post(f"{rc.url}/runs/cx/cancel", headers={"Authorization": "Bearer s3cret"}) as r:
+        async with s.post(f"{rc.url}/runs/cx/cancel", headers=rc.admin) as r:
             assert r.status == 200
             body = await r.json()
     assert body["status"] == "cancelled" and body["aborted_in_flight"] == 1

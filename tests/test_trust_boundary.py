@@ -174,11 +174,11 @@ async def test_generated_admin_token_survives_a_restart(runcap_factory, stub, tm
     second = await runcap_factory(stub_config(stub), env={"LOCAL_KEY": "k"}, data_dir=tmp_path / "d")
     assert first.runtime.config.admin_token == second.runtime.config.admin_token
     configured = await runcap_factory(
-        {**stub_config(stub), "admin_token": "configured-token"},
+        {**stub_config(stub), "admin_token": "configured-token-of-32-characters"},
         env={"LOCAL_KEY": "k"},
         data_dir=tmp_path / "e",
     )
-    assert configured.runtime.config.admin_token == "configured-token"
+    assert configured.runtime.config.admin_token == "configured-token-of-32-characters"
     assert not (tmp_path / "e" / ADMIN_TOKEN_FILE).exists()
 
 

@@ -61,7 +61,6 @@ from proxy.errors import (
     DeadlineExceeded,
     InvalidRequest,
     NotFound,
-    PayloadTooLarge,
     Rejection,
     RunCancelled,
     UpstreamUnavailable,
@@ -79,6 +78,7 @@ from proxy.mcp.wire import (
     InvalidMessage,
     SSEParser,
     ToolDenied,
+    check_agent_message,
     dumps,
     error_message,
     is_request,
@@ -94,6 +94,7 @@ from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.ops import iso
+from proxy.server.request_body import read_body
 from proxy.server.toolcalls import ToolCall, ToolClient, ToolRoute, record_tool_call, remaining_time
 from proxy.server.tools import ToolResponseTooLarge, read_bounded, tool_run_headers
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
@@ -207,6 +208,14 @@ class MCPGateway(ToolRoute):
         headers = request_headers(request.headers, drop)
         for name, value in server.headers.items():
             headers[name] = value
+        # `Host` names the server (the hop's own authority: routing, TLS); what the agent asked
+        # for goes along as X-Forwarded-Host, and its `Origin` is passed on unchanged, so a server
+        # that checks them against DNS rebinding sees the agent's values, not runcap's
+        # (runcap refused a Host or Origin it does not allow before this: server/local_trust.py).
+        agent_host = request.headers.get("Host")
+        if agent_host:
+            headers["X-Forwarded-Host"] = agent_host
+            headers["X-Forwarded-Proto"] = request.scheme
         if not run.generated:
             headers["X-Run-Id"] = run.run_id
         return headers
@@ -215,16 +224,13 @@ class MCPGateway(ToolRoute):
 
     async def _post(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return http_refusal(
-                PayloadTooLarge(
-                    f"request body is larger than max_body_bytes = {self.config.max_body_bytes} bytes",
-                    param="max_body_bytes",
-                )
-            )
+            body = await read_body(request, self.config.max_body_bytes)
+        except Rejection as rej:
+            return http_refusal(rej)
         try:
             messages, batch = parse_messages(body)
+            for m in messages:
+                check_agent_message(m)
         except InvalidMessage as e:
             message = error_message(None, PARSE_ERROR, f"runcap could not route this body: {e}")
             return web.Response(status=400, body=dumps(message), headers={"Content-Type": JSON})

@@ -14,12 +14,14 @@ SSE (the WHATWG event-stream format): events end at a blank line; lines end with
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from proxy.bounds import INT64_MIN, UINT64_MAX
 from proxy.errors import Rejection
 
 JSON = "application/json"
@@ -73,6 +75,45 @@ def parse_messages(body: bytes) -> tuple[list[dict[str, Any]], bool]:
         if not isinstance(m, dict) or m.get("jsonrpc") != "2.0":
             raise InvalidMessage('every message must be a JSON-RPC 2.0 object ("jsonrpc": "2.0")')
     return messages, batch
+
+
+# Bounds of what runcap reads from an agent's JSON-RPC message (proxy/bounds.py): the id is echoed,
+# recorded and put on spans; the method and tool name are span columns and metric labels.
+MAX_ID_CHARS = 1024
+MAX_NAME_CHARS = 256
+
+
+def check_agent_message(message: dict[str, Any]) -> None:
+    """An agent's message within runcap's bounds, else `InvalidMessage` naming the field: `id` a
+    string of at most 1024 characters or a 64-bit integer, `method` and `params.name` at most 256
+    characters, `params._meta["runcap/operation_id"]` at most 256."""
+    rid = message.get("id")
+    if isinstance(rid, bool) or not (rid is None or isinstance(rid, (str, int, float))):
+        raise InvalidMessage("id: a string or an integer (JSON-RPC)")
+    if isinstance(rid, str) and len(rid) > MAX_ID_CHARS:
+        raise InvalidMessage(f"id: {len(rid)} characters, beyond the {MAX_ID_CHARS} runcap accepts")
+    if isinstance(rid, int) and not INT64_MIN <= rid <= UINT64_MAX:
+        raise InvalidMessage(f"id: beyond a 64-bit integer ({INT64_MIN} to {UINT64_MAX})")
+    # orjson reads integers beyond 64 bits as floats: an integral float is an id up to 2**53.
+    if isinstance(rid, float) and (not math.isfinite(rid) or not rid.is_integer() or abs(rid) > 2**53):
+        raise InvalidMessage("id: a string or an integer (JSON-RPC) of at most 64 bits, not a fraction")
+    method = message.get("method")
+    if method is not None and not (isinstance(method, str) and len(method) <= MAX_NAME_CHARS):
+        raise InvalidMessage(f"method: a string of at most {MAX_NAME_CHARS} characters")
+    params = message.get("params")
+    if not isinstance(params, dict):
+        return
+    name = params.get("name")
+    if isinstance(name, str) and len(name) > MAX_NAME_CHARS:
+        raise InvalidMessage(
+            f"params.name: {len(name)} characters, beyond the {MAX_NAME_CHARS} runcap accepts"
+        )
+    meta = params.get("_meta")
+    operation = meta.get("runcap/operation_id") if isinstance(meta, dict) else None
+    if isinstance(operation, str) and len(operation) > MAX_NAME_CHARS:
+        raise InvalidMessage(
+            f'params._meta["runcap/operation_id"]: beyond the {MAX_NAME_CHARS} characters runcap accepts'
+        )
 
 
 def is_request(message: dict[str, Any]) -> bool:

@@ -15,7 +15,12 @@ from typing import Any, Protocol
 
 
 class BodyError(ValueError):
-    """A body runcap must understand is malformed; the message says which field."""
+    """A body runcap must understand is malformed; the message says which field (`field`, when
+    known, is what the 400's `param` names)."""
+
+    def __init__(self, message: str, *, field: str = "body") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(slots=True)

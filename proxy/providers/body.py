@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from proxy.bounds import MAX_MODEL_NAME, MAX_OUTPUT_TOKENS, MAX_REPORTED_TOKENS
+
 from .base import BodyError
 
 # A fixed bound for one non-text part (image, audio, a file by reference). Images are at most a
@@ -149,6 +151,11 @@ def request_object(body: Any) -> dict[str, Any]:
 def model_field(body: dict[str, Any], required: bool = True) -> str:
     model = body.get("model")
     if isinstance(model, str) and model:
+        if len(model) > MAX_MODEL_NAME:
+            # The name is a Prometheus label, a price-cache key and a span column.
+            raise BodyError(
+                f"model: {len(model)} characters, beyond the {MAX_MODEL_NAME} runcap accepts", field="model"
+            )
         return model
     if model is None and not required:
         return ""
@@ -167,15 +174,21 @@ def bool_field(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def limit_field(body: dict[str, Any], name: str, required: bool = False) -> int | None:
-    """An optional positive integer (a token limit); absent or null is None."""
+def limit_field(
+    body: dict[str, Any], name: str, required: bool = False, maximum: int = MAX_OUTPUT_TOKENS
+) -> int | None:
+    """An optional positive integer up to `maximum` (a token limit, `n`); absent or null is None."""
     value = body.get(name)
     if value is None:
         if required:
-            raise BodyError(f"{name} is required")
+            raise BodyError(f"{name} is required", field=name)
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise BodyError(f"{name} must be a positive integer, got {_kind(value)}")
+        raise BodyError(f"{name} must be a positive integer, got {_kind(value)}", field=name)
+    if value > maximum:
+        raise BodyError(
+            f"{name}: {_kind(value)} is above the largest value runcap accepts ({maximum})", field=name
+        )
     return value
 
 
@@ -202,11 +215,12 @@ def object_item(value: Any, where: str) -> dict[str, Any]:
 
 
 def count(obj: Any, name: str) -> int:
-    """A token count from a usage object; anything but a non-negative int reads as 0."""
+    """A token count from a usage object; anything but a non-negative int reads as 0, and a
+    count beyond any real call is clipped (it must not overflow the ledger)."""
     if isinstance(obj, dict):
         value = obj.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+            return min(value, MAX_REPORTED_TOKENS)
     return 0
 
 

@@ -76,8 +76,9 @@ class CompletionsAdapter:
         if isinstance(suffix, str):
             bound += text_bytes(suffix)
         limit = limit_field(body, "max_tokens")
+        generations = _generations(body, prompts)  # read (and bounded) with or without a limit
         if limit is not None:
-            limit *= _generations(body, prompts)
+            limit *= generations
         return RequestInfo(
             model=model,
             stream=stream,

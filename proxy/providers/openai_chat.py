@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.bounds import MAX_CHOICES
+
 from .base import (
     BodyError,
     RequestInfo,
@@ -60,12 +62,8 @@ def openai_usage(usage: Any) -> Usage | None:
 
 def choices_count(body: dict[str, Any], name: str = "n") -> int:
     """`n` (or `best_of`): the output limit applies to each of that many generations."""
-    value = body.get(name)
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise BodyError(f"{name} must be a positive integer")
-    return value
+    value = limit_field(body, name, maximum=MAX_CHOICES)
+    return 1 if value is None else value
 
 
 def wants_stream_usage(body: dict[str, Any]) -> bool:
@@ -252,8 +250,9 @@ class ChatCompletionsAdapter:
         limit = limit_field(body, "max_completion_tokens")
         if limit is None:
             limit = limit_field(body, "max_tokens")
+        choices = choices_count(body)  # read (and bounded) with or without a limit
         if limit is not None:
-            limit *= choices_count(body)
+            limit *= choices
         messages = list_field(body, "messages", required=True)
         tools = list_field(body, "tools")
         functions = list_field(body, "functions")

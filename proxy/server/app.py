@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +31,17 @@ from proxy.mcp.gateway import MCPGateway
 from proxy.pricing import PriceBook
 from proxy.server.accesslog import AccessLogStep
 from proxy.server.auth import AdminGuard, ClientAuth, ensure_admin_token
-from proxy.server.budget import BudgetStep
+from proxy.server.budget import BudgetStep, pricing_provider
 from proxy.server.cancel import CancelPropagation
 from proxy.server.connections import ConnectionGuard, ConnectionLimits
 from proxy.server.connections import run_app as run_guarded
 from proxy.server.context import ContextStep
-from proxy.server.flow import Flights, FlowStep
+from proxy.server.data_dir import make_private
+from proxy.server.flow import Flights, Flow, FlowStep
 from proxy.server.forward import Forwarder
 from proxy.server.inner import InnerCalls
-from proxy.server.metrics import Metrics, MetricsStep
+from proxy.server.local_trust import LocalTrust
+from proxy.server.metrics import OVERFLOW_LABEL, Metrics, MetricsStep
 from proxy.server.ops import OpsRoutes
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
@@ -105,21 +108,37 @@ def build_app(
     """`span_options` tune the span path (proxy/spans/setup.py): by default the shipper runs in
     this process on threads of its own (tests flush faster with `flush_interval_s`); `runcap serve`
     passes `shipper="external"` and runs it as a supervised process."""
+    make_private(config.data_dir)  # 0700, and a umask of 0077 for everything created in it
     if not config.admin_token:
         # Admin routes always need a token: without a configured one, generate and keep one.
         config = config.with_overrides(admin_token=ensure_admin_token(config.data_dir))
     assert config.admin_token is not None
     ledger = guarded(ledger, config.ledger_timeout_s) if ledger is not None else open_ledger(config)
-    metrics = Metrics()
+    prices = PriceBook(dict(config.prices))
+    metrics = Metrics(
+        model_label=_catalog_label(prices) if config.metrics_model_labels == "catalog" else None
+    )
     spans = open_span_system(config, **(span_options or {}))
     metrics.watch_spans(spans)
-    rt = Runtime(config, ledger, PriceBook(dict(config.prices)), metrics, Flights(), spans)
-    app = web.Application(client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536})
+    rt = Runtime(config, ledger, prices, metrics, Flights(), spans)
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        handler_args={"max_field_size": 65536},
+        # Host / Origin against DNS rebinding, before any route (server/local_trust.py)
+        middlewares=[LocalTrust(config).middleware],
+    )
     app[RUNTIME] = rt
 
     guard = AdminGuard(config.admin_token)
     clients = ClientAuth(config.client_tokens)
-    OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder).add_to(app)
+    metrics_guard = (
+        AdminGuard(
+            config.admin_token, config.metrics_token or "", what="GET /metrics ([metrics] require_token)"
+        )
+        if config.metrics_require_token
+        else None
+    )
+    OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder, metrics_guard).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
     tool_client = ToolClient()
     ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients).add_to(app)
@@ -223,6 +242,16 @@ def build_app(
     return app
 
 
+def _catalog_label(prices: PriceBook) -> Callable[[Flow, str], str]:
+    """Metric labels without what only a tenant knows: a model counted under its public catalog
+    name, any other (a fine-tune, a private deployment's name) under "other"."""
+
+    def label(flow: Flow, model: str) -> str:
+        return prices.catalog_name(pricing_provider(flow), model) or OVERFLOW_LABEL
+
+    return label
+
+
 _RECOVERY: web.AppKey[asyncio.Task[None]] = web.AppKey("recovery", asyncio.Task)
 
 
@@ -253,6 +282,9 @@ def serve(config: Config) -> None:
     """Serve until SIGINT/SIGTERM, in `config.workers` processes sharing the port; with tracing,
     a supervised shipper process drains their write-ahead log into the stores."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    make_private(config.data_dir)  # before the shipper starts: it inherits the umask
+    if not config.admin_token:  # checked (and generated) once, before any worker starts
+        config = config.with_overrides(admin_token=ensure_admin_token(config.data_dir))
     shipper = _start_shipper(config)
     try:
         _serve_workers(config)

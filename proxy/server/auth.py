@@ -14,11 +14,13 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from aiohttp import web
 
+from proxy.config import MIN_ADMIN_TOKEN_CHARS, ConfigError
 from proxy.errors import Unauthorized
 
 ADMIN_TOKEN_FILE = "admin.token"
@@ -42,11 +44,13 @@ def cli_admin_token(admin_token: str | None, data_dir: Path) -> str | None:
 
 def ensure_admin_token(data_dir: Path) -> str:
     """The admin token in `data_dir/admin.token`, generated (mode 0600) when absent. Safe when
-    several workers start at once: the first to create the file wins, the others read it."""
+    several workers start at once: the first to create the file wins, the others read it. A file
+    that is there already must be private (no group/other bits) and hold a token of at least
+    `MIN_ADMIN_TOKEN_CHARS`: anything else is a `ConfigError` saying how to fix it."""
     token = read_admin_token(data_dir)
     if token:
-        return token
-    data_dir.mkdir(parents=True, exist_ok=True)
+        return check_token_file(data_dir / ADMIN_TOKEN_FILE, token)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = data_dir / ADMIN_TOKEN_FILE
     token = secrets.token_urlsafe(32)
     try:
@@ -54,27 +58,48 @@ def ensure_admin_token(data_dir: Path) -> str:
     except FileExistsError:
         existing = read_admin_token(data_dir)
         if existing:
-            return existing
+            return check_token_file(path, existing)
         raise
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
 
 
+def check_token_file(path: Path, token: str) -> str:
+    """`token`, read from `path`, if the file is private and the token long enough."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ConfigError(
+            f"admin token file {path}: mode {mode:04o} lets other users read it; run `chmod 600 {path}` "
+            "(and rotate the token if others could read it: delete the file and runcap generates a new one)"
+        )
+    if len(token) < MIN_ADMIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"admin token file {path}: the token has {len(token)} characters, fewer than the "
+            f"{MIN_ADMIN_TOKEN_CHARS} runcap requires; delete the file (runcap generates a new one) or "
+            "write a longer token into it"
+        )
+    return token
+
+
 class AdminGuard:
     """`Authorization: Bearer <admin token>` on every admin route."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, *also: str, what: str = "admin endpoint") -> None:
+        """`also`: other tokens this guard lets in (the metrics scrape token)."""
         if not token:
             raise ValueError("AdminGuard needs a token")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = [f"Bearer {t}".encode() for t in (token, *also) if t]
+        self._what = what
 
     def check(self, request: web.Request) -> None:
         given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, self._expected):
+        # Every token compared (no early exit), each in constant time.
+        if not sum(hmac.compare_digest(given, expected) for expected in self._expected):
             raise Unauthorized(
-                "admin endpoint: send Authorization: Bearer <admin token> (RUNCAP_ADMIN_TOKEN, or the "
+                f"{self._what}: send Authorization: Bearer <admin token> (RUNCAP_ADMIN_TOKEN, or the "
                 "token runcap generated in its data directory's admin.token)"
+                + (" or the [metrics] token" if len(self._expected) > 1 else "")
             )
 
 

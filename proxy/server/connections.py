@@ -33,10 +33,14 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from proxy.config import Config
+from proxy.errors import InvalidRequest
+from proxy.server.request_body import DECODED
 
 log = logging.getLogger("runcap.server")
 
@@ -221,6 +225,28 @@ class GuardedRequestHandler(RequestHandler):
             or getattr(writer, "_headers_buf", None)
             or getattr(writer, "_headers_written", True)
         )
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A body coding aiohttp's parser refuses before any route runs (`br` without Brotli
+        installed): runcap's error shape naming Content-Encoding, not aiohttp's plain text."""
+        if not isinstance(exc, ContentEncodingError) or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        # The request here is aiohttp's placeholder: the coding is named by the parser's message.
+        said = str(getattr(exc, "message", exc)).split(".")[0].strip()
+        resp = InvalidRequest(
+            f"Content-Encoding: not a coding runcap reads ({said}); it reads "
+            f"{', '.join(sorted(DECODED))}, or none: send the body uncompressed or with one of those",
+            param="Content-Encoding",
+            status=415,
+        ).response("openai")
+        resp.force_close()
+        return resp
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         if self._cut is not None:

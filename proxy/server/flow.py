@@ -58,6 +58,7 @@ class Flow:
     upstream_unreached: bool = False
     reply_headers: dict[str, str] = field(default_factory=dict)  # runcap's own response headers
     response_body: bytes | None = None  # buffered responses only
+    reply: web.StreamResponse | None = None  # the relayed stream, once its headers are sent
     sent_body: bytes = b""  # the request body as forwarded upstream (after clamps and strips)
     # Raw upstream bytes of a relayed stream, kept for the payload store while they fit its limit
     # (None: not captured, or over the limit).

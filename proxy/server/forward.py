@@ -25,8 +25,8 @@ from proxy.context.stream import sse_answer
 from proxy.errors import (
     BudgetExceeded,
     DeadlineExceeded,
+    InternalError,
     InvalidRequest,
-    PayloadTooLarge,
     Rejection,
     RunCancelled,
     UpstreamUnavailable,
@@ -38,6 +38,7 @@ from proxy.server.flow import Flights, Flow, FlowStep
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
+from proxy.server.request_body import read_body
 from proxy.server.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.forward")
@@ -88,6 +89,24 @@ class Forwarder:
         flow = Flow(request, upstream, target, adapter)
         try:
             reply = await self._answer(flow, clients)
+        except ConnectionError:
+            # The client went away (while sending its body): nobody to answer; on record as 499.
+            flow.status, flow.outcome, flow.error = flow.status or 499, "cancelled", "client disconnected"
+            raise
+        except web.HTTPException:
+            raise  # an answer aiohttp sends itself
+        except Exception as e:
+            # A bug: the agent gets a 500 in its own error shape, and the done steps (access log,
+            # span) record that 500 — not the "0 ok" of a flow nobody finished.
+            log.exception("%s %s failed inside runcap", request.method, request.path)
+            reply = flow.reply
+            if reply is not None and reply.prepared:
+                flow.outcome, flow.error = "error", f"{type(e).__name__} inside runcap"
+            else:
+                reply = self._reject(flow, InternalError(
+                    f"runcap failed on this request ({type(e).__name__}); the call may not have been "
+                    "sent. This is a bug in runcap: report it with the server log"
+                ))  # fmt: skip
         finally:
             for step in self.steps:
                 try:
@@ -149,6 +168,33 @@ class Forwarder:
             await reply.write_eof()
         return reply
 
+    async def _forward(self, flow: Flow) -> web.StreamResponse:
+        """The steps' request hooks, then the upstream exchange (the run's call is in flight)."""
+        task = asyncio.current_task()
+        assert task is not None and flow.run is not None
+        # In flight from here: an operator's cancel also cuts what the steps do before the
+        # call (a context policy's summary call is a model call of its own).
+        self.flights.add(flow.run.run_id, task, flow)
+        self.metrics.in_flight.inc()
+        try:
+            try:
+                for step in self.steps:
+                    await step.request(flow)
+            except Rejection as rej:
+                return self._reject(flow, rej)
+            except asyncio.CancelledError:
+                if flow.cut_reason != "cancel":
+                    raise  # shutting down
+                task.uncancel()
+                return self._reject(flow, RunCancelled(
+                    f"run {flow.run.run_id} was cancelled while runcap prepared this call; it was "
+                    "not sent. Start a new run to continue"
+                ))  # fmt: skip
+            return await self._exchange(flow)
+        finally:
+            self.metrics.in_flight.dec()
+            self.flights.remove(flow.run.run_id, task)
+
     async def _read(self, flow: Flow, clients: ClientAuth) -> None:
         """The run's headers and the body, read and checked (the steps' request hooks follow)."""
         request = flow.request
@@ -158,13 +204,7 @@ class Forwarder:
             require_run_id=self.config.require_run_id,
             tenant=clients.tenant(request),
         )
-        try:
-            flow.body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(
-                f"request body is larger than max_body_bytes = {self.config.max_body_bytes} bytes",
-                param="max_body_bytes",
-            ) from None
+        flow.body = await read_body(request, self.config.max_body_bytes)
         if flow.adapter is not None:
             try:
                 body = orjson.loads(flow.body)
@@ -176,7 +216,7 @@ class Forwarder:
             try:
                 flow.info = flow.adapter.parse_request(body)
             except BodyError as e:
-                raise InvalidRequest(str(e), param="body") from None
+                raise InvalidRequest(str(e), param=e.field) from None
             except RecursionError:
                 # orjson takes up to 1024 levels; the readers recurse (a 500 was the answer)
                 raise InvalidRequest(
@@ -330,7 +370,9 @@ class Forwarder:
             flow.outcome = "error"
         for step in self.steps:
             await step.response(flow)
-        reply = web.StreamResponse(status=upstream.status, headers=self._reply_headers(flow, upstream))
+        reply = flow.reply = web.StreamResponse(
+            status=upstream.status, headers=self._reply_headers(flow, upstream)
+        )
         await reply.prepare(flow.request)
         return reply
 

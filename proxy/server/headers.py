@@ -24,8 +24,9 @@ AGENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "cookie", "proxy-a
 # The upstream may compress; aiohttp decompresses, so the agent gets identity bytes.
 # Method overrides: a GET that an upstream reads as a POST would be a paid call runcap let pass
 # as a free read.
+# Content-Encoding: runcap reads the body decoded and forwards what it read (server/request_body.py).
 _REQUEST_EXTRA = frozenset(
-    {"accept-encoding", "x-http-method-override", "x-http-method", "x-method-override"}
+    {"accept-encoding", "x-http-method-override", "x-http-method", "x-method-override", "content-encoding"}
 )
 _RESPONSE_EXTRA = frozenset({"content-encoding"})
 

@@ -9,8 +9,8 @@ worker's series labelled `worker` and the shipper's view once (proxy/server/work
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -52,27 +52,70 @@ _LEDGER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
 _ADDED_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
-# Model names come from clients and upstreams: bound the label values (and so the series).
-MAX_MODEL_LABELS = 200
+# Label values come from clients and upstreams (model names, tool names): each label of each
+# metric takes at most this many distinct values and this many characters; any other value is
+# counted under OVERFLOW_LABEL, so neither the series nor the exposition can grow without bound.
+MAX_LABEL_VALUES = 200
+MAX_LABEL_CHARS = 128
+OVERFLOW_LABEL = "other"
+
+_T = TypeVar("_T")
+
+
+class _LabelValues:
+    """The values one label has taken; a new one beyond the limit, or a too-long one, is "other"."""
+
+    __slots__ = ("_limit", "_seen")
+
+    def __init__(self, limit: int) -> None:
+        self._seen: set[str] = set()
+        self._limit = limit
+
+    def __call__(self, value: object) -> str:
+        text = str(value)
+        if text in self._seen:
+            return text
+        if len(text) > MAX_LABEL_CHARS or len(self._seen) >= self._limit:
+            return OVERFLOW_LABEL
+        self._seen.add(text)
+        return text
+
+
+class Bounded(Generic[_T]):
+    """A labelled Prometheus metric whose `labels(...)` bounds every value (one place for all of
+    them, rather than a guard at each call site)."""
+
+    def __init__(self, metric: Any, limit: int = MAX_LABEL_VALUES) -> None:
+        self.metric = metric
+        self._limit = limit
+        self._labels: list[_LabelValues] = []  # one per label, by position
+
+    def labels(self, *values: object) -> _T:
+        while len(self._labels) < len(values):
+            self._labels.append(_LabelValues(self._limit))
+        return self.metric.labels(*(bound(v) for bound, v in zip(self._labels, values, strict=False)))  # type: ignore[no-any-return]
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self._models: set[str] = set()
+    def __init__(self, model_label: Callable[[Flow, str], str] | None = None) -> None:
+        """`model_label(flow, model)`: the label a call's model is counted under (None: its name;
+        with tenants, app.py passes one that keeps only price-catalog names: `[metrics]
+        model_labels`)."""
+        self._model_label = model_label
         self.registry = CollectorRegistry(auto_describe=True)
         self.shipper_registry = CollectorRegistry(auto_describe=True)
         self.spans: SpanSystem | None = None
         # `serve --workers N`: the worker's view of its siblings, set by worker_metrics.py
         self.siblings: WorkerSiblings | None = None
         r = self.registry
-        self.requests = Counter(
+        self.requests: Bounded[Counter] = Bounded(Counter(
             "runcap_requests", "Requests answered, by upstream, endpoint and status.",
             ["upstream", "endpoint", "status"], registry=r,
-        )  # fmt: skip
-        self.latency = Histogram(
+        ))  # fmt: skip
+        self.latency: Bounded[Histogram] = Bounded(Histogram(
             "runcap_request_duration_seconds", "Time from request in to last byte out.",
             ["upstream", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         self.added_latency = Histogram(
             "runcap_added_latency_seconds",
             "Time runcap itself added to a forwarded model call: from request in to last byte "
@@ -80,33 +123,35 @@ class Metrics:
             "upstream time).",
             buckets=_ADDED_BUCKETS, registry=r,
         )  # fmt: skip
-        self.rejections = Counter(
+        self.rejections: Bounded[Counter] = Bounded(Counter(
             "runcap_rejections", "Calls refused by runcap, by reason (cap code, deadline, cancel...).",
             ["reason"], registry=r,
-        )  # fmt: skip
-        self.tokens = Counter(
+        ))  # fmt: skip
+        self.tokens: Bounded[Counter] = Bounded(Counter(
             "runcap_tokens", "Tokens settled, by model and kind (input, output, cache_read, cache_write).",
             ["model", "kind"], registry=r,
-        )  # fmt: skip
-        self.cost = Counter("runcap_cost_usd", "Dollars settled, by model.", ["model"], registry=r)
-        self.unpriced = Counter(
-            "runcap_unpriced_calls", "Calls settled without a known price.", ["model"], registry=r
+        ))  # fmt: skip
+        self.cost: Bounded[Counter] = Bounded(
+            Counter("runcap_cost_usd", "Dollars settled, by model.", ["model"], registry=r)
         )
-        self.ledger_latency = Histogram(
+        self.unpriced: Bounded[Counter] = Bounded(
+            Counter("runcap_unpriced_calls", "Calls settled without a known price.", ["model"], registry=r)
+        )
+        self.ledger_latency: Bounded[Histogram] = Bounded(Histogram(
             "runcap_ledger_op_seconds", "Run-ledger operation latency.", ["op"],
             buckets=_LEDGER_BUCKETS, registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         self.clamped = Counter("runcap_clamped_calls", "Calls whose output limit runcap lowered.", registry=r)
         self.final_steps = Counter("runcap_final_steps", "Answer-only final steps enforced.", registry=r)
         self.in_flight = Gauge("runcap_in_flight", "Upstream calls in flight.", registry=r)
-        self.tool_calls = Counter(
+        self.tool_calls: Bounded[Counter] = Bounded(Counter(
             "runcap_tool_calls", "Calls through /tools, by tool and outcome (ok, error, replayed, ...).",
             ["tool", "outcome"], registry=r,
-        )  # fmt: skip
-        self.tool_replays = Counter(
+        ))  # fmt: skip
+        self.tool_replays: Bounded[Counter] = Bounded(Counter(
             "runcap_tool_replays", "Side-effecting tool calls answered from their idempotency record.",
             ["tool"], registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         self.context_tokens = Histogram(
             "runcap_context_tokens",
             "Input tokens of each answered model step (its context), as the provider counted them.",
@@ -118,12 +163,12 @@ class Metrics:
             "(counted once per run by the process that saw it happen).",
             registry=r,
         )
-        self.tool_unknown = Counter(
+        self.tool_unknown: Bounded[Counter] = Bounded(Counter(
             "runcap_tool_unknown_outcomes",
             "Side-effecting tool calls cut in flight (cancel, timeout, reset): outcome unknown "
             "until reconciled.",
             ["tool"], registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def watch_spans(self, spans: SpanSystem) -> None:
         """Export the span path: this process's WAL appends and drops, and the shipper's view —
@@ -144,18 +189,11 @@ class Metrics:
     def ledger_op(self, op: str, seconds: float) -> None:
         self.ledger_latency.labels(op).observe(seconds)
 
-    def _model(self, model: str) -> str:
-        if model in self._models:
-            return model
-        if len(self._models) < MAX_MODEL_LABELS:
-            self._models.add(model)
-            return model
-        return "other"
-
     def settled(self, flow: Flow, s: Settlement) -> None:
-        model = self._model(
-            (flow.response_info.model if flow.response_info else "") or (flow.info.model if flow.info else "")
-        )
+        model = flow.response_info.model if flow.response_info else ""
+        model = model or (flow.info.model if flow.info else "")
+        if self._model_label is not None:
+            model = self._model_label(flow, model)
         usage = flow.usage
         if usage is not None:
             for kind, n in (

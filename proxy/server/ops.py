@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.bounds import INT64_MIN, UINT64_MAX
 from proxy.caps import LEDGER_RUN_ID_RE
 from proxy.errors import InvalidRequest, LedgerUnavailable, NotFound, Unauthorized
 from proxy.ledger.base import Ledger, RunState
@@ -66,6 +69,61 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
     }
 
 
+MAX_SQL_CHARS = 256 * 1024
+MAX_SQL_PARAMS = 64
+MAX_SQL_PARAM_CHARS = 64 * 1024
+MAX_SQL_PARAM_ITEMS = 10_000
+_PARAM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def check_sql_params(params: dict[str, Any]) -> None:
+    """`/admin/sql` parameters: what ClickHouse query parameters can hold — names of at most 64
+    identifier characters; strings, 64-bit integers, finite numbers, booleans, null, or an array
+    of those — each bounded, so a value is a 400 naming it, never a failure deeper down."""
+    if len(params) > MAX_SQL_PARAMS:
+        raise InvalidRequest(f'"params": {len(params)} parameters, beyond {MAX_SQL_PARAMS}', param="params")
+    for name, value in params.items():
+        if not _PARAM_NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"params.{name[:64]!r}: a parameter name is 1-64 characters of A-Z a-z 0-9 _ (not starting "
+                "with a digit)",
+                param="params",
+            )
+        items = value if isinstance(value, list) else [value]
+        if len(items) > MAX_SQL_PARAM_ITEMS:
+            raise InvalidRequest(
+                f"params.{name}: more than {MAX_SQL_PARAM_ITEMS} items", param=f"params.{name}"
+            )
+        for item in items:
+            _check_param_value(name, item)
+
+
+def _check_param_value(name: str, value: Any) -> None:
+    where = f"params.{name}"
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= UINT64_MAX:
+            raise InvalidRequest(
+                f"{where}: beyond what a 64-bit integer holds ({INT64_MIN} to {UINT64_MAX})", param=where
+            )
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{where}: not a finite number", param=where)
+        return
+    if isinstance(value, str):
+        if len(value) > MAX_SQL_PARAM_CHARS:
+            raise InvalidRequest(
+                f"{where}: {len(value)} characters, beyond {MAX_SQL_PARAM_CHARS}", param=where
+            )
+        return
+    raise InvalidRequest(
+        f"{where}: a string, number, boolean, null or an array of those (got {type(value).__name__})",
+        param=where,
+    )
+
+
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(
         status=status, body=orjson.dumps(data), content_type="application/json", headers=headers
@@ -81,7 +139,10 @@ class OpsRoutes:
         guard: AdminGuard,
         span_store: ShipperClient | None = None,
         recorder: SpanRecorder | None = None,
+        metrics_guard: AdminGuard | None = None,
     ) -> None:
+        """`metrics_guard`: who may scrape /metrics ([metrics] require_token); None: anyone."""
+        self.metrics_guard = metrics_guard
         self.ledger = ledger
         self.metrics = metrics
         self.flights = flights
@@ -117,6 +178,11 @@ class OpsRoutes:
         return _json({"status": "ready", "ledger": name})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
+        if self.metrics_guard is not None:
+            try:
+                self.metrics_guard.check(request)
+            except Unauthorized as rej:
+                return rej.response("openai")
         body = await self.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
@@ -169,8 +235,6 @@ class OpsRoutes:
         the store (embedded chdb lives in its process only) and checks every query with sqlguard."""
         try:
             self.guard.check(request)
-            if self.span_store is None:
-                raise NotFound("no span store: tracing is off in this runcap's configuration")
             try:
                 body = await request.json(loads=orjson.loads)
             except ValueError:
@@ -181,6 +245,11 @@ class OpsRoutes:
                 raise InvalidRequest('"sql" must be a non-empty string', param="sql")
             if not isinstance(params, dict):
                 raise InvalidRequest('"params" must be an object of name → value', param="params")
+            if len(sql) > MAX_SQL_CHARS:
+                raise InvalidRequest(f'"sql": {len(sql)} characters, beyond {MAX_SQL_CHARS}', param="sql")
+            check_sql_params(params)
+            if self.span_store is None:
+                raise NotFound("no span store: tracing is off in this runcap's configuration")
         except (InvalidRequest, NotFound, Unauthorized) as rej:
             return rej.response("openai")
         try:

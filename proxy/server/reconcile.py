@@ -15,10 +15,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.bounds import ASCII_INT
+from proxy.caps import LEDGER_RUN_ID_RE
 from proxy.errors import InvalidRequest, NotFound, Rejection
 from proxy.ledger.base import TOOL_CALL_STATES, UNKNOWN, IdempotencyRecord, Ledger, RecordNotUnknown
 from proxy.server.auth import AdminGuard
 from proxy.server.ops import iso
+
+_MAX_LIST = 100_000  # records one GET /admin/tool-calls answers with
 
 
 def record_json(r: IdempotencyRecord) -> dict[str, Any]:
@@ -58,11 +62,12 @@ class IdempotencyAdmin:
             if state not in (None, "all", *TOOL_CALL_STATES):
                 raise InvalidRequest(f"state: one of all, {', '.join(TOOL_CALL_STATES)}", param="state")
             limit = request.query.get("limit", "1000")
-            if not limit.isdigit():
-                raise InvalidRequest("limit: a whole number", param="limit")
-            records = await self.ledger.list_tool_calls(
-                None if state == "all" else state, request.query.get("run_id") or None, int(limit)
-            )
+            if not ASCII_INT.fullmatch(limit) or len(limit) > 7 or int(limit) > _MAX_LIST:
+                raise InvalidRequest(f"limit: a whole number from 0 to {_MAX_LIST}", param="limit")
+            run_id = request.query.get("run_id") or None
+            if run_id is not None and not LEDGER_RUN_ID_RE.match(run_id):
+                raise InvalidRequest(f"run_id: {run_id[:140]!r} is not a run id", param="run_id")
+            records = await self.ledger.list_tool_calls(None if state == "all" else state, run_id, int(limit))
         except Rejection as rej:  # also LedgerUnavailable: a 503 the CLI can retry
             return rej.response("openai")
         return _json([record_json(r) for r in records])
@@ -87,7 +92,13 @@ class IdempotencyAdmin:
             content_type = body.get("content_type") or (
                 "application/json" if result[:1] in ("{", "[") else "text/plain; charset=utf-8"
             )
+            if not isinstance(content_type, str) or len(content_type) > 256 or not content_type.isprintable():
+                raise InvalidRequest(
+                    "content_type: a media type of at most 256 characters", param="content_type"
+                )
             run_id = body.get("run_id")
+            if run_id is not None and not (isinstance(run_id, str) and LEDGER_RUN_ID_RE.match(run_id)):
+                raise InvalidRequest(f"run_id: {str(run_id)[:140]!r} is not a run id", param="run_id")
             if run_id is None:
                 matches = [r for r in await self.ledger.list_tool_calls(UNKNOWN) if r.key == key]
                 if not matches:  # not unknown: say what it is

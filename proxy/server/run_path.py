@@ -41,6 +41,8 @@ def run_path_request(request: web.Request) -> web.Request:
 
 def _agree(headers: CIMultiDict[str], name: str, value: str) -> None:
     given = headers.getall(name, [])
+    if len(given) > 1:
+        raise InvalidRequest(f"{name}: sent {len(given)} times; send it once", param=name)
     if any(v != value for v in given):
         raise InvalidRequest(
             f"{name}: {given[0][:140]!r} disagrees with the path ({value!r}); send one or the other",

@@ -40,7 +40,6 @@ from proxy.errors import (
     DeadlineExceeded,
     InvalidRequest,
     NotFound,
-    PayloadTooLarge,
     Rejection,
     RunCancelled,
     ToolTimeout,
@@ -51,6 +50,7 @@ from proxy.ledger.base import IdempotencyRecord, RunState, ToolCallRequest
 from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.ops import iso
+from proxy.server.request_body import read_body
 from proxy.server.toolcalls import ToolCall, ToolRoute, record_tool_call, remaining_time
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 
@@ -155,13 +155,7 @@ class ToolGateway(ToolRoute):
         # records an intent: a call refused now can never be left `unknown`.
         segments, query = remaining_segments(request.raw_path, 2)
         target = tool.base.target(segments, query)
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(
-                f"request body is larger than max_body_bytes = {self.config.max_body_bytes} bytes",
-                param="max_body_bytes",
-            ) from None
+        body = await read_body(request, self.config.max_body_bytes)
         tail = "/".join(unquote(seg) for seg in segments)
         headers = self._tool_headers(request, tool, run)
         call.args_hash = args_hash(body)

@@ -11,6 +11,7 @@ Body (every field optional; absent = unchanged, null = remove that cap):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
@@ -19,6 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.bounds import MAX_CAP, MAX_USD, PLAIN_DECIMAL, OutOfBounds, whole_number
 from proxy.caps import LEDGER_RUN_ID_RE, RunCaps
 from proxy.config import CapsConfig
 from proxy.errors import InvalidRequest, NotFound, Rejection
@@ -56,8 +58,11 @@ def parse_change(body: Any, current: RunCaps | None, caps: CapsConfig, now: floa
     for field in ("max_tokens", "max_steps", "max_tool_calls"):
         if field in body:
             value = body[field]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise InvalidRequest(f"{field}: a whole number ≥ 0, or null for no cap", param=field)
+            if value is not None:
+                try:
+                    whole_number(value, field, maximum=MAX_CAP)
+                except OutOfBounds as e:
+                    raise InvalidRequest(f"{e}, or null for no cap", param=field) from None
             change[field] = value
     if "deadline" in body and "extend_s" in body:
         raise InvalidRequest("deadline, extend_s: send one of them", param="deadline")
@@ -67,6 +72,11 @@ def parse_change(body: Any, current: RunCaps | None, caps: CapsConfig, now: floa
         extend = body["extend_s"]
         if isinstance(extend, bool) or not isinstance(extend, (int, float)) or not extend > 0:
             raise InvalidRequest("extend_s: a number of seconds > 0", param="extend_s")
+        if extend > caps.max_run_seconds:
+            raise InvalidRequest(
+                f"extend_s: {extend:g} s is beyond caps.max_run_seconds = {caps.max_run_seconds:g} s",
+                param="extend_s",
+            )
         base = max(now, current.deadline) if current is not None and current.deadline is not None else now
         change["deadline"] = base + float(extend)
     deadline = change.get("deadline")
@@ -83,13 +93,21 @@ def parse_change(body: Any, current: RunCaps | None, caps: CapsConfig, now: floa
 
 
 def _usd(raw: Any) -> Decimal:
-    try:
-        d = Decimal(str(raw)) if isinstance(raw, (str, int, float)) and not isinstance(raw, bool) else None
-    except InvalidOperation:
-        d = None
-    if d is None or not d.is_finite() or d < 0 or d > 1_000_000_000:
+    """A dollar amount: a plain decimal string ("2.50", ASCII, as in X-Run-Max-Usd) or a JSON number."""
+    d: Decimal | None = None
+    if isinstance(raw, str):
+        d = Decimal(raw) if PLAIN_DECIMAL.fullmatch(raw) else None
+    elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        with contextlib.suppress(InvalidOperation):
+            d = Decimal(str(raw))
+    if d is None or not d.is_finite() or d < 0:
         raise InvalidRequest(
-            f"max_usd: {str(raw)[:40]!r} is not a dollar amount (like \"2.50\")", param="max_usd"
+            f'max_usd: {str(raw)[:40]!r} is not a dollar amount (like "2.50")', param="max_usd"
+        )
+    if d > MAX_USD:
+        raise InvalidRequest(
+            f"max_usd: {str(raw)[:40]!r} is above the largest dollar cap runcap accepts ({MAX_USD})",
+            param="max_usd",
         )
     return d
 

@@ -46,7 +46,7 @@ from mcp_types import ToolAnnotations
 HEADERS_SEEN = (
     "x-run-id", "idempotency-key", "x-run-deadline", "x-run-remaining-ms", "mcp-session-id",
     "mcp-protocol-version", "authorization", "x-server-key", "last-event-id", "x-run-max-tool-calls",
-    "mcp-method", "mcp-name",
+    "mcp-method", "mcp-name", "host", "origin", "x-forwarded-host",
 )  # fmt: skip
 
 
