@@ -18,7 +18,6 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from proxy.config import Config, ConfigError
@@ -40,6 +39,7 @@ from proxy.server.forward import Forwarder
 from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics, MetricsStep
 from proxy.server.ops import OpsRoutes
+from proxy.server.outbound import OutboundClient
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
 from proxy.server.toolcalls import ToolClient
@@ -65,7 +65,7 @@ class Runtime:
     flights: Flights
     spans: SpanSystem
     forwarder: Forwarder | None = None
-    session: aiohttp.ClientSession | None = None
+    client: OutboundClient | None = None  # to the model upstreams
 
     @property
     def recorder(self) -> SpanRecorder:
@@ -186,11 +186,8 @@ def build_app(
     app.router.add_route("*", "/r/{run_id}/{tail:.*}", run_in_path)
 
     async def on_startup(app: web.Application) -> None:
-        rt.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
-            auto_decompress=True,
-        )
+        rt.client = OutboundClient(keepalive_timeout_s=60, connect_timeout_s=30, dns_cache_s=300)
+        await rt.client.start()
         budget = BudgetStep(config, ledger, rt.prices, metrics)
         # The context step first: a policy's rewrite and the context cap come before any reservation.
         inner = InnerCalls()  # runcap's own calls within a run: fetch continuations, summaries
@@ -200,7 +197,7 @@ def build_app(
             steps.append(TraceStep(spans.recorder))
         if config.log_requests:
             steps.append(AccessLogStep())
-        rt.forwarder = Forwarder(config, rt.session, steps, rt.flights, metrics, inner=inner)
+        rt.forwarder = Forwarder(config, rt.client, steps, rt.flights, metrics, inner=inner)
         await ledger.recover()
         metrics.watch_ledger(ledger)
         ledger.start()  # writes the ledger could not take (settlements...) are retried from now on
@@ -211,8 +208,8 @@ def build_app(
         app[_RECOVERY].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[_RECOVERY]
-        if rt.session is not None:
-            await rt.session.close()
+        if rt.client is not None:
+            await rt.client.close()
         # The WAL fsync'd (and an in-process shipper drained) before exiting.
         await spans.aclose()
         await ledger.close()

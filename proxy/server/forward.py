@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 
 import aiohttp
@@ -38,6 +37,7 @@ from proxy.server.flow import Flights, Flow, FlowStep
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
+from proxy.server.outbound import OutboundClient, call_timeout, run_deadline
 from proxy.server.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.forward")
@@ -63,14 +63,14 @@ class Forwarder:
     def __init__(
         self,
         config: Config,
-        session: aiohttp.ClientSession,
+        client: OutboundClient,
         steps: Sequence[FlowStep],
         flights: Flights,
         metrics: Metrics,
         inner: InnerCalls | None = None,
     ) -> None:
         self.config = config
-        self.session = session
+        self.client = client  # every call to a model upstream leaves through it (server/outbound.py)
         self.steps = list(steps)
         self.flights = flights
         self.metrics = metrics
@@ -192,8 +192,8 @@ class Forwarder:
         return out
 
     async def _exchange(self, flow: Flow) -> web.StreamResponse:
-        deadline = flow.state.caps.deadline if flow.state is not None else None
-        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        assert flow.run is not None
+        timeout = call_timeout(run_deadline(flow.run, flow.state, flow.started_wall)).seconds
         body = orjson.dumps(flow.body_json) if flow.body_changed else flow.body
         flow.sent_body = body
         url = flow.target.url
@@ -201,12 +201,8 @@ class Forwarder:
         upstream: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(timeout):
-                upstream = await self.session.request(
-                    flow.request.method,
-                    url,
-                    headers=self._upstream_headers(flow),
-                    data=body,
-                    allow_redirects=False,
+                upstream = await self.client.request(
+                    flow.request.method, url, headers=self._upstream_headers(flow), data=body
                 )
                 flow.upstream_status = upstream.status
                 if flow.adapter is None or upstream.content_type == "text/event-stream":
