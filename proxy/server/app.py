@@ -42,6 +42,7 @@ from proxy.server.ops import OpsRoutes
 from proxy.server.outbound import OutboundClient
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
+from proxy.server.tenant_objects import TenantObjects
 from proxy.server.toolcalls import ToolClient
 from proxy.server.tools import ToolGateway
 from proxy.server.topup import RunCapsAdmin
@@ -117,7 +118,7 @@ def build_app(
     app[RUNTIME] = rt
 
     guard = AdminGuard(config.admin_token)
-    clients = ClientAuth(config.client_tokens)
+    clients = ClientAuth(config.client_tokens, config.tenant_upstream_keys)
     OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
     tool_client = ToolClient()
@@ -192,7 +193,9 @@ def build_app(
         # The context step first: a policy's rewrite and the context cap come before any reservation.
         inner = InnerCalls()  # runcap's own calls within a run: fetch continuations, summaries
         context = ContextStep(config.context, config.caps, budget.history, metrics, inner=inner)
-        steps: list[FlowStep] = [context, budget, MetricsStep(metrics)]
+        # Tenants sharing a provider key see only their own provider objects; first, so a refused
+        # read reserves and counts nothing.
+        steps: list[FlowStep] = [TenantObjects(ledger), context, budget, MetricsStep(metrics)]
         if config.tracing:
             steps.append(TraceStep(spans.recorder))
         if config.log_requests:

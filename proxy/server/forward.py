@@ -135,11 +135,13 @@ class Forwarder:
     async def _read(self, flow: Flow, clients: ClientAuth) -> None:
         """The run's headers and the body, read and checked (the steps' request hooks follow)."""
         request = flow.request
+        flow.tenant = clients.tenant(request)
+        flow.api_key = clients.upstream_key(flow.tenant, flow.upstream.name) or flow.upstream.api_key
         flow.run = parse_run_headers(
             request.headers,
             self.config.caps,
             require_run_id=self.config.require_run_id,
-            tenant=clients.tenant(request),
+            tenant=flow.tenant,
         )
         try:
             flow.body = await request.read()
@@ -182,7 +184,7 @@ class Forwarder:
         return self._upstream_headers(flow)
 
     def _upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
-        key = flow.upstream.api_key
+        key = flow.api_key
         out = request_headers(flow.request.headers, AGENT_CREDENTIALS if key else ())
         if key:
             if flow.flavor == "anthropic":
@@ -205,7 +207,8 @@ class Forwarder:
                     flow.request.method, url, headers=self._upstream_headers(flow), data=body
                 )
                 flow.upstream_status = upstream.status
-                if flow.adapter is None or upstream.content_type == "text/event-stream":
+                relay = flow.adapter is None and not flow.buffer_answer
+                if relay or upstream.content_type == "text/event-stream":
                     reply = await self._start_stream(flow, upstream)
                     await self._relay(flow, upstream, reply)
                     return reply
@@ -260,7 +263,11 @@ class Forwarder:
         rewrite = flow.rewrite
         if rewrite is not None and rewrite.fetch_tool and upstream.status < 400 and not flow.inner:
             return await self._fetch_loop(flow, upstream, body)
-        return web.Response(status=upstream.status, body=body, headers=self._reply_headers(flow, upstream))
+        headers = self._reply_headers(flow, upstream)
+        if flow.response_body is not body:  # a step rewrote the answer (its length is the new one's)
+            body = flow.response_body or b""
+            headers.popall("Content-Length", None)
+        return web.Response(status=upstream.status, body=body, headers=headers)
 
     async def _fetch_loop(self, flow: Flow, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
         """A request with `runcap_fetch` added (proxy/context/fetch.py): runcap answers the model's

@@ -61,6 +61,7 @@ class InnerCalls:
         assert parent.adapter is not None
         child = Flow(parent.request, parent.upstream, parent.target, parent.adapter, inner=True)
         child.run = parent.run
+        child.tenant, child.api_key = parent.tenant, parent.api_key
         child.body = orjson.dumps(body)
         child.body_json = body
         try:
