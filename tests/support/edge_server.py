@@ -8,7 +8,8 @@ every configured tool, MCP server and upstream of a test:
   garbage        execute, then 200 `application/json` that is not JSON
   rpc-error      execute, then a JSON-RPC error (-32602, the code "nothing was executed" would use)
   redirect       307 to the same path on `other` (another origin, which records what reaches it)
-  hang           answer after `hang_s` (a `mode` beyond the run's deadline), unless the caller goes
+  hang           answer after `hang_s` (beyond the run's deadline), unless the caller goes; a JSON-RPC
+                 notification (runcap's cancel notice) is answered with a redirect as above
   ok             an MCP server that answers (tools/list: `refund`, side-effecting; tools/call: a result)
 
 What executed is counted per (mode, order id) in `executions`; every request is in `hits`.
@@ -78,6 +79,9 @@ class EdgeServer:
             assert self.other is not None and self.other.url is not None
             return web.Response(status=307, headers={"Location": f"{self.other.url}{request.path_qs}"})
         if mode == "hang":
+            if rpc is not None and "id" not in rpc:  # a notification (a cancel notice): redirected
+                assert self.other is not None and self.other.url is not None
+                return web.Response(status=307, headers={"Location": f"{self.other.url}{request.path_qs}"})
             try:
                 await asyncio.sleep(self.hang_s)
             except asyncio.CancelledError:
