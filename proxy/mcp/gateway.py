@@ -26,10 +26,11 @@ A `tools/call` is a tool call of the run, through the same ledger machinery as `
      `X-Run-Id`, `Idempotency-Key`, `X-Run-Deadline`, `X-Run-Remaining-Ms`; a cancel or the
      deadline cuts it: the server's stream is closed and it gets `notifications/cancelled` for
      the request id; the tool's own timeout is a result with `isError: true` the model can read;
-  4. the server's answer is the outcome: recorded before the agent sees it (a JSON-RPC error
-     the server gives before executing anything — parse, invalid request or params, unknown
-     method — releases the record instead); a stream that ends without the answer is resumed
-     (`Last-Event-ID`) when the server made it resumable, else the outcome is `unknown`;
+  4. the outcome, by the rule `/tools` follows too (server/tool_outcome.py): the server's
+     JSON-RPC response (a result or an error, whatever its code) is recorded before the agent
+     sees it; a stream that ends without it is resumed (`Last-Event-ID`) when the server made it
+     resumable; an HTTP answer without it (a proxy's 502/504, a redirect), a reset or an
+     unreadable body is `unknown`; only a call that never left (no connection) is released;
   5. one `tool` span (tool_name = the MCP tool, `mcp.server`, `mcp.method.name`).
 
 Per-tool `max_calls_per_run` is counted in the ledger as a run of its own
@@ -293,7 +294,8 @@ class MCPGateway(ToolRoute):
                         upstream, end = await self._resume(target, headers, reply, watch, rid, upstream, end)
             except TimeoutError:
                 self._cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
-                await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                if not run.generated:
+                    await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
                 raise DeadlineExceeded(
                     f"run {run.run_id} reached its deadline during {method} on MCP server {server.name!r}; "
                     "the request was cancelled. End the run."

@@ -8,8 +8,10 @@ One call:
   2. forward method, sub-path, query and body to the tool, with the run's remaining time as the
      timeout (min the tool's `timeout_s`) and `X-Run-Id`, `Idempotency-Key`, `X-Run-Deadline`,
      `X-Run-Remaining-Ms`; registered in `Flights` so a cancel closes the connection;
-  3. record the outcome (status, content-type, body) — or `unknown` when the call was cut after
-     it may have reached the tool (cancel, timeout, reset) — and answer; one `tool` span.
+  3. record the outcome by the rule MCP `tools/call` follows too (server/tool_outcome.py): the
+     tool's HTTP answer, whatever its status (a 3xx, a proxy's 502 or 504 included) — or
+     `unknown` when the call was cut after it may have reached the tool (cancel, timeout, reset);
+     released only when it never left (no connection) — and answer; one `tool` span.
 
 Idempotency key: the caller's `Idempotency-Key` (namespaced by run in the ledger), else
 sha256(canonical_json({"run", "tool", "args", "op"}))[:32] with `args` the JSON body (restricted
