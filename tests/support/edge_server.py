@@ -25,6 +25,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tests.support.local_app import serve_local
+
 
 @dataclass
 class EdgeHit:
@@ -49,11 +51,7 @@ class EdgeServer:
         app = web.Application()
         app.router.add_route("*", "/{mode}/{tail:.*}", self._handle)
         app.router.add_route("*", "/{mode}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_local(app, handler_cancellation=True)
         return self
 
     async def stop(self) -> None:

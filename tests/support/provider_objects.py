@@ -13,6 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.support.local_app import serve_local
+
 
 @dataclass
 class ObjectHit:
@@ -40,11 +42,7 @@ class ProviderObjects:
         app.router.add_post("/v1/batches", self._create_batch)
         app.router.add_get("/v1/batches", self._list_batches)
         app.router.add_get("/v1/batches/{id}", self._get_batch)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_local(app)
         return self
 
     async def stop(self) -> None:
