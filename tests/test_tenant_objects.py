@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
+import orjson
 import pytest
 
 from proxy.ledger.sqlite import SQLiteLedger
@@ -155,3 +157,32 @@ async def test_ownership_records_in_the_sqlite_ledger(tmp_path: Path) -> None:
         assert await ledger.object_owners("other", ["file-1"]) == {"file-1": "beta"}
     finally:
         await ledger.close()
+
+
+async def test_a_reference_however_it_is_written_is_found(runcap_factory, provider) -> None:  # type: ignore[no-untyped-def]
+    """The provider reads an escaped key, leading whitespace and deep nesting as the same
+    reference: so does runcap."""
+    rc = await runcap_factory(shared(provider), env=ENV)
+    mine = await client(rc.url, ACME).files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
+    deep: Any = {"file_id": mine.id}
+    for _ in range(120):  # 240 levels: deeper than a recursive walk would go
+        deep = {"metadata": [deep]}
+    bodies = [
+        b' \n{"\\u0069nput_file_id": "%s", "endpoint": "/v1/chat/completions", "completion_window": "24h"}'
+        % mine.id.encode(),
+        orjson.dumps(
+            {
+                "input_file_id": "x",
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+                "extra": deep,
+            }
+        ),
+    ]
+    headers = {"X-Run-Client-Token": BETA, "Content-Type": "application/json"}
+    before = len(provider.hits)
+    async with aiohttp.ClientSession() as http:
+        for body in bodies:
+            async with http.post(f"{rc.url}/v1/batches", data=body, headers=headers) as r:
+                assert r.status == 404, await r.text()
+    assert len(provider.hits) == before  # none reached the provider

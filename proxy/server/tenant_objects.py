@@ -57,7 +57,11 @@ REFERENCE_FIELDS = frozenset(
     {"previous_response_id", "conversation", "conversation_id", "file_id", "file_ids", "input_file_id",
      "training_file", "validation_file", "vector_store_id", "vector_store_ids"}
 )  # fmt: skip
-_MAX_DEPTH = 64
+# What a body naming an object must contain (each field name is, or contains, one of these).
+_REFERENCE_NAMES = (
+    b"file_id", b"training_file", b"validation_file", b"vector_store_id",
+    b"previous_response_id", b"conversation",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,19 +88,20 @@ def object_route(path: str) -> ObjectRoute | None:
     return None
 
 
-def referenced_ids(body: Any, depth: int = 0) -> Iterator[str]:
-    """Object ids a JSON body refers to (REFERENCE_FIELDS, at any depth)."""
-    if depth > _MAX_DEPTH:
-        return
-    if isinstance(body, dict):
-        for key, value in body.items():
-            if key in REFERENCE_FIELDS:
-                yield from _ids(value)
-            elif isinstance(value, (dict, list)):
-                yield from referenced_ids(value, depth + 1)
-    elif isinstance(body, list):
-        for item in body:
-            yield from referenced_ids(item, depth + 1)
+def referenced_ids(body: Any) -> Iterator[str]:
+    """Object ids a JSON body refers to (REFERENCE_FIELDS, at any depth: walked with a stack of
+    its own, so no nesting hides one)."""
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in REFERENCE_FIELDS:
+                    yield from _ids(value)
+                elif isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
 
 
 def _ids(value: Any) -> Iterator[str]:
@@ -151,12 +156,17 @@ class TenantObjects:
             await self._claim(flow, info.response_id)
 
     def _references(self, flow: Flow) -> Iterator[str]:
+        raw = flow.body
+        # Most bodies (a chat turn) name no object: no walk through them. A key written with
+        # escapes (`"\u0066ile_id"`) means the same to the provider, so such a body is walked.
+        if b"\\u" not in raw and not any(name in raw for name in _REFERENCE_NAMES):
+            return
         body = flow.body_json
-        if body is None and flow.body[:1] in (b"{", b"["):
+        if body is None:
             try:
-                body = orjson.loads(flow.body)
+                body = orjson.loads(raw)
             except orjson.JSONDecodeError:
-                return
+                return  # not JSON (a multipart upload): no references
         yield from referenced_ids(body)
 
     async def _claim(self, flow: Flow, object_id: str) -> None:
