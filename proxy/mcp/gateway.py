@@ -810,8 +810,8 @@ class MCPGateway(ToolRoute):
             # server, a redirect, an error page): the bytes reached something that may have passed
             # them on, and nothing says what happened. Relayed to the agent as it was; unknown.
             why = f"the server answered HTTP {upstream.status} without a result"
-            await self.calls.unknown(call, why, label)
-            call.status, call.outcome = upstream.status, "unknown"
+            await self.calls.unknown(call, why, label)  # (a read-only call has no record to mark)
+            call.status, call.outcome = upstream.status, "unknown" if call.key is not None else "error"
             call.error = (
                 f"MCP server {server.name!r} answered HTTP {upstream.status} without a JSON-RPC response; "
                 "the call may or may not have taken effect"
