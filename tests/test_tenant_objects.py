@@ -186,3 +186,25 @@ async def test_a_reference_however_it_is_written_is_found(runcap_factory, provid
             async with http.post(f"{rc.url}/v1/batches", data=body, headers=headers) as r:
                 assert r.status == 404, await r.text()
     assert len(provider.hits) == before  # none reached the provider
+
+
+def test_upstream_key_configuration_errors_name_the_setting() -> None:
+    from proxy.config import ConfigError, build_config
+
+    for tokens, setting in [
+        (
+            {"acme": {"token": ACME, "upstream_keys": {"nope": "k"}}},
+            "auth.client_tokens.acme.upstream_keys.nope",
+        ),
+        ({"acme": {"upstream_keys": {"openai": "k"}}}, "auth.client_tokens.acme.token"),
+        (
+            {"acme": {"token": ACME, "upstream_keys": {"openai": "env:MISSING"}}},
+            "auth.client_tokens.acme.upstream_keys.openai",
+        ),
+        ({"acme": {"token": ACME, "upstream_keys": ["k"]}}, "auth.client_tokens.acme.upstream_keys"),
+        ({"acme": {"token": ACME, "keys": {}}}, "auth.client_tokens.acme"),
+        ({"acme": {"token": "short"}}, "auth.client_tokens.acme"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            build_config({"auth": {"client_tokens": tokens}}, {})
+        assert str(err.value).startswith(setting), err.value
