@@ -208,3 +208,31 @@ async def test_every_outbound_call_is_cut_at_the_runs_deadline(edges, runcap_fac
     # The cut tools/call got its cancel notice; the server answered it with a redirect, not followed.
     notices = [h for h in edge.on("hang") if b"notifications/cancelled" in h.body]
     assert notices and other.hits == []
+
+
+@pytest.mark.parametrize(
+    ("operator", "headers"),
+    [
+        ({"caps": {"ceiling_timeout_s": TIMEOUT_S}}, {}),
+        ({"tasks": {"quick": {"timeout_s": TIMEOUT_S}}}, {"X-Run-Task": "quick"}),
+    ],
+    ids=["caps-ceiling", "task-timeout"],
+)
+async def test_a_request_without_a_run_id_has_the_operators_timeout(  # type: ignore[no-untyped-def]
+    edges, runcap_factory, operator, headers
+) -> None:
+    edge, _ = edges
+    cfg = {**config(edge), "caps": {}, **operator}
+    rc = await runcap_factory(cfg, env={"EDGE_KEY": "sk-upstream-secret"})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        status, body = await send(http, "POST", f"{rc.url}/u/hang/v1/images/generations", {}, headers)
+        assert status == 504 and body["error"]["type"] == "run_deadline_exceeded", body
+        _, body = await send(
+            http,
+            "POST",
+            f"{rc.url}/mcp/hang",
+            rpc("resources/read", uri="file:///a"),
+            {**headers, **MCP_HEADERS},
+        )
+        assert body["error"]["code"] == -32041, body
+    assert len(edge.on("hang")) == 2 and all(h.disconnected for h in edge.on("hang"))
