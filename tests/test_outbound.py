@@ -7,8 +7,9 @@ secret reaches it), and every call is cut at the run's deadline — also a reque
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -77,6 +78,16 @@ def rpc(method: str, rid: int | None = 1, **params: Any) -> dict[str, Any]:
 
 
 MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"}
+
+
+async def eventually(condition: Callable[[], bool]) -> bool:
+    """`condition` holds now or within a few seconds (the server sees a cut connection a moment
+    after runcap has answered the agent)."""
+    for _ in range(100):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return condition()
 
 
 async def send(
@@ -200,7 +211,7 @@ async def test_every_outbound_call_is_cut_at_the_runs_deadline(edges, runcap_fac
     # Each call was cut: the hanging server saw its caller go (every request it got, the
     # summary and runcap's own tools/list included), before it would have answered.
     requests = [h for h in edge.on("hang") if b"notifications/cancelled" not in h.body]
-    assert requests and all(h.disconnected for h in requests), [
+    assert requests and await eventually(lambda: all(h.disconnected for h in requests)), [
         (h.method, h.path, h.body[:60]) for h in requests
     ]
     assert any(SUMMARY_INSTRUCTION.encode() in h.body for h in requests)
@@ -235,4 +246,6 @@ async def test_a_request_without_a_run_id_has_the_operators_timeout(  # type: ig
             {**headers, **MCP_HEADERS},
         )
         assert body["error"]["code"] == -32041, body
-    assert len(edge.on("hang")) == 2 and all(h.disconnected for h in edge.on("hang"))
+    assert len(edge.on("hang")) == 2 and await eventually(
+        lambda: all(h.disconnected for h in edge.on("hang"))
+    )
