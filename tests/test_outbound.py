@@ -249,3 +249,23 @@ async def test_a_request_without_a_run_id_has_the_operators_timeout(  # type: ig
     assert len(edge.on("hang")) == 2 and await eventually(
         lambda: all(h.disconnected for h in edge.on("hang"))
     )
+
+
+async def test_the_cli_never_follows_a_redirect_with_the_admin_token(edges, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`runcap cancel`, `reconcile` and `sql` against a `--url` that redirects: they fail, and the
+    admin token they carry never reaches the other origin (urllib would resend it there)."""
+    from proxy.cli import main
+
+    edge, other = edges
+    monkeypatch.setenv("RUNCAP_ADMIN_TOKEN", "admin-secret-0123456789-0123456789")
+    monkeypatch.chdir(tmp_path)
+    url = f"{edge.url}/redirect"
+    for argv in (
+        ["cancel", "r-1", "--url", url],
+        ["reconcile", "--url", url],
+        ["sql", "SELECT 1", "--url", url],
+    ):
+        assert await asyncio.to_thread(main, argv) != 0, argv
+    assert len(edge.on("redirect")) == 3
+    assert all(h.headers["authorization"].endswith("0123456789") for h in edge.on("redirect"))
+    assert other.hits == []
