@@ -132,6 +132,12 @@ async def test_no_outbound_call_follows_a_redirect(edges, runcap_factory) -> Non
             "mcp GET": await send(http, "GET", mcp, None, {**run, **MCP_HEADERS}),
             "mcp DELETE": await send(http, "DELETE", mcp, None, {**run, **MCP_HEADERS}),
         }
+        locations = []
+        for _ in range(2):
+            async with http.post(
+                f"{rc.url}/tools/redirect", json={"order_id": "o-3"}, headers=run, allow_redirects=False
+            ) as r:
+                locations.append((r.status, r.headers.get("Location"), r.headers.get("X-Idempotent-Replay")))
         # runcap's own tools/list, before a call to a tool it has not seen listed
         listed = await send(
             http, "POST", mcp, rpc("tools/call", name="lookup", arguments={"q": 1}), {**run, **MCP_HEADERS}
@@ -147,8 +153,11 @@ async def test_no_outbound_call_follows_a_redirect(edges, runcap_factory) -> Non
     bodies = [h.body for h in edge.on("redirect")]
     assert any(b'"tools/list"' in b and b"runcap-tools-list" in b for b in bodies)  # runcap's own listing
     assert any(SUMMARY_INSTRUCTION.encode() in b for b in bodies)  # runcap's own summary call
-    # The tool's 307 was its outcome: recorded, replayed, executed (reached) once.
-    assert len([h for h in edge.on("redirect") if h.path == "/redirect/tool"]) == 1
+    # The tool's 307 was its outcome: recorded, replayed (with its Location), reached once.
+    assert answers["tool again"] == answers["tool"]
+    where = f"{other.url}/redirect/tool"
+    assert locations == [(307, where, None), (307, where, "true")]
+    assert len([h for h in edge.on("redirect") if h.path == "/redirect/tool"]) == 2  # o-1 and o-3
     # Nothing reached the other origin: not a request, not a secret.
     assert other.hits == []
 

@@ -60,8 +60,8 @@ from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 log = logging.getLogger("runcap.tools")
 
 SIDE_EFFECT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-# Response headers worth replaying with a recorded outcome.
-RECORDED_HEADERS = ("content-type",)
+# Response headers worth replaying with a recorded outcome (a 3xx is replayed with its Location).
+RECORDED_HEADERS = ("content-type", "location")
 
 
 def has_side_effects(tool: ToolConfig, method: str) -> bool:
