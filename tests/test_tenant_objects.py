@@ -208,3 +208,39 @@ def test_upstream_key_configuration_errors_name_the_setting() -> None:
         with pytest.raises(ConfigError) as err:
             build_config({"auth": {"client_tokens": tokens}}, {})
         assert str(err.value).startswith(setting), err.value
+
+
+async def test_an_anthropic_thread_is_continued_only_by_its_tenant(runcap_factory, upstream) -> None:  # type: ignore[no-untyped-def]
+    """A message thread the provider keeps (`thread.previous_message_id`) is the creating tenant's."""
+    from proxy.scripted_upstream import MESSAGE_THREADS_BETA
+
+    rc = await runcap_factory(
+        {"upstreams": {"anthropic": {"url": upstream.url, "api_key_env": "SHARED_KEY"}},
+         "auth": {"client_tokens": TOKENS}},
+        env=ENV,
+    )  # fmt: skip
+    beta_header = {"anthropic-beta": MESSAGE_THREADS_BETA, "anthropic-version": "2023-06-01"}
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def post(token: str, payload: dict[str, Any]) -> tuple[int, Any]:
+        headers = {**beta_header, "X-Run-Client-Token": token, "X-Run-Id": "thread-run"}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{rc.url}/anthropic/v1/messages", json=payload, headers=headers) as r,
+        ):
+            return r.status, await r.json()
+
+    status, first = await post(ACME, {**body, "thread": {"type": "create"}})
+    assert status == 200, first
+    then = {**body, "thread": {"type": "continue", "previous_message_id": first["id"]}}
+    hits = upstream.hits()
+    status, refused = await post(BETA, then)
+    assert status == 404 and refused["type"] == "error", refused
+    assert upstream.hits() == hits  # not forwarded
+    status, second = await post(ACME, then)
+    assert status == 200, second
+    # ...and so on down the thread: the continuation's id is acme's too.
+    status, third = await post(
+        ACME, {**then, "thread": {"type": "continue", "previous_message_id": second["id"]}}
+    )
+    assert status == 200, third

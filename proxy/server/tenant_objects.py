@@ -8,11 +8,13 @@ the pass-through routes. The recommended setup gives each tenant its own key
 this step does (`Flow.shares_key`):
 
 * **create** (a POST to a collection: `/v1/files`, `/v1/batches`, `/v1/responses`,
-  `/v1/chat/completions`...): the id in the provider's answer is recorded in the ledger as the
-  tenant's (before the agent gets the answer, so replicas agree at once);
+  `/v1/chat/completions`...; an Anthropic message in a `thread`): the id in the provider's
+  answer is recorded in the ledger as the tenant's (before the agent gets a buffered answer, at
+  the end of a stream), so replicas agree;
 * **read, change, delete** of `/v1/{collection}/{id}[/...]`, and a request whose body refers to
-  an object (`previous_response_id`, `conversation`, `file_id`, `file_ids`, `input_file_id`,
-  `training_file`, `validation_file`, `vector_store_ids`, anywhere in the JSON): refused with
+  an object (`previous_response_id`, `previous_message_id`, `conversation`, `file_id`,
+  `file_ids`, `input_file_id`, `training_file`, `validation_file`, `vector_store_ids`, anywhere
+  in the JSON): refused with
   404, as if the object did not exist, unless the tenant created it — an id runcap never saw
   created included (it may be the key owner's own, or older than runcap);
 * **list** (a GET of a collection): the answer's `data` keeps the tenant's own objects only.
@@ -54,13 +56,13 @@ COLLECTIONS: tuple[tuple[str, ...], ...] = (
 NOT_IDS = {("responses",): frozenset({"input_tokens", "compact"})}
 # Body fields that name provider objects the request reads or uses.
 REFERENCE_FIELDS = frozenset(
-    {"previous_response_id", "conversation", "conversation_id", "file_id", "file_ids", "input_file_id",
-     "training_file", "validation_file", "vector_store_id", "vector_store_ids"}
+    {"previous_response_id", "previous_message_id", "conversation", "conversation_id", "file_id", "file_ids",
+     "input_file_id", "training_file", "validation_file", "vector_store_id", "vector_store_ids"}
 )  # fmt: skip
 # What a body naming an object must contain (each field name is, or contains, one of these).
 _REFERENCE_NAMES = (
     b"file_id", b"training_file", b"validation_file", b"vector_store_id",
-    b"previous_response_id", b"conversation",
+    b"previous_response_id", b"previous_message_id", b"conversation",
 )  # fmt: skip
 
 
@@ -72,9 +74,7 @@ class ObjectRoute:
 
 def object_route(path: str) -> ObjectRoute | None:
     """The provider object (or collection) `path` addresses, if any."""
-    segments = [s for s in path.split("/") if s]
-    if "v1" in segments:
-        segments = segments[segments.index("v1") + 1 :]
+    segments = _after_v1(path)
     for collection in COLLECTIONS:
         n = len(collection)
         if tuple(segments[:n]) != collection:
@@ -86,6 +86,28 @@ def object_route(path: str) -> ObjectRoute | None:
             return None
         return ObjectRoute(collection, rest[0])
     return None
+
+
+def creates(flow: Flow) -> bool:
+    """The call makes the provider keep an object under the id of its answer: a POST to a
+    collection, or an Anthropic message that starts or continues a thread (its answer's id is
+    what the next `thread.previous_message_id` names)."""
+    if flow.request.method != "POST":
+        return False
+    route = object_route(flow.target.path)
+    body = flow.body_json
+    if route is not None:
+        if route.collection == ("chat", "completions"):  # stored only when asked (`store`)
+            return route.object_id is None and body is not None and body.get("store") is True
+        if route.collection == ("responses",):  # stored unless asked not to
+            return route.object_id is None and not (body is not None and body.get("store") is False)
+        return route.object_id is None
+    return body is not None and "thread" in body and _after_v1(flow.target.path) == ["messages"]
+
+
+def _after_v1(path: str) -> list[str]:
+    segments = [s for s in path.split("/") if s]
+    return segments[segments.index("v1") + 1 :] if "v1" in segments else segments
 
 
 def referenced_ids(body: Any) -> Iterator[str]:
@@ -136,23 +158,25 @@ class TenantObjects:
             flow.buffer_answer = True  # a create's id is read, a list filtered, in `response`
 
     async def response(self, flow: Flow) -> None:
-        if not flow.shares_key or flow.upstream_status >= 400:
+        if not flow.shares_key or flow.upstream_status >= 400 or flow.response_body is None:
+            return
+        if creates(flow):
+            await self._claim(flow, _answer_id(flow.response_body))
             return
         route = object_route(flow.target.path)
-        if route is None or route.object_id is not None:
-            return
-        if flow.request.method == "POST" and flow.response_body is not None:
-            await self._claim(flow, _answer_id(flow.response_body))
-        elif flow.request.method == "GET" and flow.response_body is not None:
+        if route is not None and route.object_id is None and flow.request.method == "GET":
             flow.response_body = await self._filtered(flow, flow.response_body)
 
     async def done(self, flow: Flow) -> None:
         # A created object whose id came in a stream (a stored response, a stored completion).
-        if not flow.shares_key or not flow.streamed or flow.request.method != "POST":
-            return
-        route = object_route(flow.target.path)
         info = flow.response_info
-        if route is not None and route.object_id is None and info is not None and flow.upstream_status < 400:
+        if (
+            flow.shares_key
+            and flow.streamed
+            and info is not None
+            and flow.upstream_status < 400
+            and creates(flow)
+        ):
             await self._claim(flow, info.response_id)
 
     def _references(self, flow: Flow) -> Iterator[str]:
