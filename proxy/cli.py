@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from proxy import admin_http
 from proxy.config import ConfigError, load_config
 from proxy.server.auth import cli_admin_token
 from proxy.server.data_dir import PRIVATE_UMASK
@@ -350,7 +351,7 @@ def _call_and_print(
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with admin_http.urlopen(req, timeout=30) as resp:
             data = json.loads(resp.read())
     except urllib.error.HTTPError as e:
         text = e.read().decode("utf-8", "replace")

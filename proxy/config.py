@@ -158,6 +158,10 @@ class Config:
     tool_max_response_bytes: int = 8 * 1024 * 1024
     # [auth] client_tokens: token → tenant. Empty (the sidecar case): no client token needed.
     client_tokens: Mapping[str, str] = field(default_factory=dict)
+    # [auth] client_tokens.TENANT.upstream_keys: tenant → upstream name → the provider key runcap
+    # sends for that tenant instead of the upstream's own `api_key_env` (objects it creates at the
+    # provider live in the tenant's own account or project).
+    tenant_upstream_keys: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # Every ledger operation's timeout: past it the call is refused with 503 ledger_unavailable.
     ledger_timeout_s: float = 2.0
     # How often each process sweeps the ledger for reservations of processes that died.
@@ -367,7 +371,7 @@ def build_config(
             f"{wal_max_bytes} (segments are deleted whole: the bound needs several)"
         )
 
-    client_tokens = _client_tokens(_table(raw, "auth"), env)
+    client_tokens, tenant_keys = _client_tokens(_table(raw, "auth"), env, upstreams)
     metrics = _metrics(raw.get("metrics", {}), env, tenants=bool(client_tokens))
     allowed_hosts, allowed_origins = _local(raw.get("local", {}))
     admin_token = env.get("RUNCAP_ADMIN_TOKEN") or raw.get("admin_token") or None
@@ -406,6 +410,7 @@ def build_config(
         ledger_retention_s=float(retention) if retention is not None else 7 * 24 * 3600.0,
         tool_max_response_bytes=_int(raw, "", "tool_max_response_bytes", minimum=1, default=8 * 1024 * 1024),
         client_tokens=client_tokens,
+        tenant_upstream_keys=tenant_keys,
         **seconds,
         max_connections_per_client=_int(raw, "", "max_connections_per_client", minimum=0, default=256),
         payload_retention_days=float(retention_days) if retention_days is not None else 30.0,
@@ -650,31 +655,60 @@ def _str_list(section: Mapping[str, Any], where: str, key: str) -> tuple[str, ..
 _TENANT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
-def _client_tokens(section: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
-    """`[auth] client_tokens = { tenant = "token" | "env:VAR" }` → token → tenant."""
+def _secret(value: Any, where: str, env: Mapping[str, str], what: str) -> str:
+    """A configured secret: the string itself, or `env:VAR` for the environment variable's value."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f'{where}: expected {what} string or "env:VAR"')
+    if not value.startswith("env:"):
+        return value
+    secret = env.get(value[4:], "")
+    if not secret:
+        raise ConfigError(f"{where}: environment variable {value[4:]} is not set")
+    return secret
+
+
+def _client_tokens(
+    section: Mapping[str, Any], env: Mapping[str, str], upstreams: Mapping[str, UpstreamConfig]
+) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """`[auth] client_tokens = { tenant = "token" | "env:VAR" | { token = ..., upstream_keys =
+    { upstream = "key" | "env:VAR" } } }` → (token → tenant, tenant → upstream → provider key)."""
     _only(section, "auth", {"client_tokens"})
     table = section.get("client_tokens", {})
     if not isinstance(table, dict):
         raise ConfigError('auth.client_tokens: expected a table of tenant = "token" (or "env:VAR")')
     tokens: dict[str, str] = {}
+    keys: dict[str, dict[str, str]] = {}
     for tenant, value in table.items():
         where = f"auth.client_tokens.{tenant}"
         if not 1 <= len(tenant) <= 64 or not set(tenant) <= _TENANT_CHARS:
             raise ConfigError(f"{where}: a tenant name is 1-64 characters of A-Z a-z 0-9 . _ -")
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f'{where}: expected a token string or "env:VAR"')
-        if value.startswith("env:"):
-            token = env.get(value[4:], "")
-            if not token:
-                raise ConfigError(f"{where}: environment variable {value[4:]} is not set")
+        if isinstance(value, dict):
+            _only(value, where, {"token", "upstream_keys"})
+            own = value.get("upstream_keys", {})
+            if not isinstance(own, dict):
+                raise ConfigError(
+                    f'{where}.upstream_keys: expected a table of upstream = "key" (or "env:VAR")'
+                )
+            for upstream, key in own.items():
+                if upstream not in upstreams:
+                    known = ", ".join(sorted(upstreams))
+                    raise ConfigError(
+                        f"{where}.upstream_keys.{upstream}: no such upstream (configured: {known})"
+                    )
+                keys.setdefault(tenant, {})[upstream] = _secret(
+                    key, f"{where}.upstream_keys.{upstream}", env, "a provider key"
+                )
+            if "token" not in value:
+                raise ConfigError(f"{where}.token: required (the tenant's client token)")
+            token = _secret(value["token"], f"{where}.token", env, "a token")
         else:
-            token = value
+            token = _secret(value, where, env, "a token")
         if len(token) < 16:
             raise ConfigError(f"{where}: a client token needs at least 16 characters")
         if token in tokens:
             raise ConfigError(f"{where}: the same token is already given to tenant {tokens[token]!r}")
         tokens[token] = tenant
-    return tokens
+    return tokens, keys
 
 
 def _task(name: str, section: Mapping[str, Any], caps: CapsConfig) -> TaskCaps:

@@ -31,6 +31,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
 
+from proxy import admin_http
 from proxy.config import Config
 from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
 from proxy.server.auth import cli_admin_token
@@ -72,7 +73,7 @@ class AdminSqlReader:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with admin_http.urlopen(req, timeout=self.timeout_s) as resp:
                 answer = json.loads(resp.read())
         except urllib.error.HTTPError as e:
             text = e.read().decode("utf-8", "replace")

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from proxy import admin_http
 from proxy.config import Config
 from proxy.server.auth import cli_admin_token
 
@@ -88,7 +89,7 @@ def _http(config: Config, args: argparse.Namespace, resolution: dict[str, Any] |
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with admin_http.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         raise _Failed(f"HTTP {e.code}: {e.read().decode('utf-8', 'replace')}") from None

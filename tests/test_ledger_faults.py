@@ -621,13 +621,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def fill(path: Path) -> None:
     """Write `path` until the disk is full."""
     chunk = b"\0" * (1 << 16)
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(chunk)
-                f.flush()
-        except OSError:
-            pass
+    # Also the close: it flushes what the failed write left in the buffer, and fails the same way
+    # (whether it does depends on how the free space divides into chunks).
+    with contextlib.suppress(OSError), open(path, "wb") as f:
+        while True:
+            f.write(chunk)
+            f.flush()
     with contextlib.suppress(OSError), open(path, "ab") as f:  # the last partial block
         while True:
             f.write(b"\0" * 512)

@@ -30,7 +30,7 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
@@ -314,6 +314,18 @@ class Ledger(abc.ABC):
         record may be resolved unless `force` (the tool path releasing its own `in_flight` record
         when the tool was never reached). Returns the record as it was; None when there is none.
         Raises `RecordNotUnknown` when the record is not `unknown`."""
+
+    # -- provider objects and the tenant that created each (server/tenant_objects.py) ----------
+
+    @abc.abstractmethod
+    async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:
+        """Record `tenant` as the creator of each of `object_ids` — objects a provider holds for
+        the key `account` names (files, stored responses, batches...). The first claim wins: an
+        id already recorded keeps its tenant. Not purged with the runs: the objects outlive them."""
+
+    @abc.abstractmethod
+    async def object_owners(self, account: str, object_ids: Sequence[str]) -> dict[str, str]:
+        """The recorded tenant of each of `object_ids` that has one."""
 
 
 # A cap an operator may set: RunCaps field → the value (None: remove the cap).

@@ -26,7 +26,7 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from proxy.caps import RunCaps
@@ -294,6 +294,14 @@ class GuardedLedger(Ledger):
 
     async def release_tool_call(self, record: IdempotencyRecord) -> None:
         await self._guard("release", lambda: self.backend.release_tool_call(record), remember=False)
+
+    async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:
+        await self._guard(
+            "claim_objects", lambda: self.backend.claim_objects(account, object_ids, tenant, now)
+        )
+
+    async def object_owners(self, account: str, object_ids: Sequence[str]) -> dict[str, str]:
+        return await self._guard("object_owners", lambda: self.backend.object_owners(account, object_ids))
 
 
 def guarded(ledger: Ledger, timeout_s: float = DEFAULT_TIMEOUT_S) -> GuardedLedger:

@@ -73,7 +73,7 @@ import random
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import orjson
 import redis.asyncio as aioredis
@@ -1022,6 +1022,25 @@ class RedisLedger(Ledger):
             text = str(exc)
             return "ledger_disk_full" if text.startswith("MISCONF") else "ledger_error"
         return super().failure_code(exc)
+
+    # -- provider objects -----------------------------------------------------------------------
+
+    def _k_objects(self, account: str) -> str:
+        # One hash per provider account: object id → tenant (one key, so one slot on a cluster).
+        return f"{self.prefix}objects:{len(account)}:{account}"
+
+    async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        for oid in object_ids:
+            pipe.hsetnx(self._k_objects(account), oid, tenant)  # the first claim wins
+        await pipe.execute()
+
+    async def object_owners(self, account: str, object_ids: Sequence[str]) -> dict[str, str]:
+        ids = list(dict.fromkeys(object_ids))
+        if not ids:
+            return {}
+        values = await self._r.hmget(self._k_objects(account), ids)
+        return {oid: v.decode() for oid, v in zip(ids, values, strict=True) if v is not None}
 
     # -- lifecycle ------------------------------------------------------------------------------
 

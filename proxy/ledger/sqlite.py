@@ -55,7 +55,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -173,6 +173,15 @@ CREATE TABLE IF NOT EXISTS swept_reservations (
 ) WITHOUT ROWID;
 -- One row per live process, rewritten by each readiness check: proves the file takes writes.
 CREATE TABLE IF NOT EXISTS probe (owner TEXT PRIMARY KEY, at REAL NOT NULL) WITHOUT ROWID;
+-- Provider objects (files, stored responses, batches...) and the tenant that created each, for
+-- tenants sharing one provider key (server/tenant_objects.py). Not purged: objects outlive runs.
+CREATE TABLE IF NOT EXISTS provider_objects (
+    account TEXT NOT NULL,
+    object_id TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (account, object_id)
+) WITHOUT ROWID;
 """
 
 # Below this many free bytes on the ledger's disk runcap is not ready: SQLite needs room to grow
@@ -773,6 +782,27 @@ class SQLiteLedger(Ledger):
                     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
                     self._save(state)
             return record
+
+    async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO provider_objects (account, object_id, tenant, created_at) "
+                "VALUES (?, ?, ?, ?)",
+                [(account, oid, tenant, now) for oid in object_ids],
+            )
+
+    async def object_owners(self, account: str, object_ids: Sequence[str]) -> dict[str, str]:
+        owners: dict[str, str] = {}
+        ids = list(dict.fromkeys(object_ids))
+        for i in range(0, len(ids), 500):  # under SQLite's limit on bound parameters
+            batch = ids[i : i + 500]
+            rows = self._db.execute(
+                "SELECT object_id, tenant FROM provider_objects WHERE account = ? AND object_id IN "
+                f"({', '.join('?' * len(batch))})",
+                (account, *batch),
+            )
+            owners.update(dict(rows.fetchall()))
+        return owners
 
     async def close(self) -> None:
         if self._batch:

@@ -26,10 +26,11 @@ A `tools/call` is a tool call of the run, through the same ledger machinery as `
      `X-Run-Id`, `Idempotency-Key`, `X-Run-Deadline`, `X-Run-Remaining-Ms`; a cancel or the
      deadline cuts it: the server's stream is closed and it gets `notifications/cancelled` for
      the request id; the tool's own timeout is a result with `isError: true` the model can read;
-  4. the server's answer is the outcome: recorded before the agent sees it (a JSON-RPC error
-     the server gives before executing anything — parse, invalid request or params, unknown
-     method — releases the record instead); a stream that ends without the answer is resumed
-     (`Last-Event-ID`) when the server made it resumable, else the outcome is `unknown`;
+  4. the outcome, by the rule `/tools` follows too (server/tool_outcome.py): the server's
+     JSON-RPC response (a result or an error, whatever its code) is recorded before the agent
+     sees it; a stream that ends without it is resumed (`Last-Event-ID`) when the server made it
+     resumable; an HTTP answer without it (a proxy's 502/504, a redirect), a reset or an
+     unreadable body is `unknown`; only a call that never left (no connection) is released;
   5. one `tool` span (tool_name = the MCP tool, `mcp.server`, `mcp.method.name`).
 
 Per-tool `max_calls_per_run` is counted in the ledger as a run of its own
@@ -73,7 +74,6 @@ from proxy.mcp.wire import (
     EVENT_STREAM,
     JSON,
     PARSE_ERROR,
-    PRE_EXECUTION_ERRORS,
     EventTooLarge,
     InvalidMessage,
     SSEParser,
@@ -93,10 +93,16 @@ from proxy.server.flow import Flights
 from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.metrics import Metrics
-from proxy.server.ops import iso
+from proxy.server.outbound import call_timeout, deadline_headers, run_deadline
 from proxy.server.request_body import read_body
-from proxy.server.toolcalls import ToolCall, ToolClient, ToolRoute, record_tool_call, remaining_time
-from proxy.server.tools import ToolResponseTooLarge, read_bounded, tool_run_headers
+from proxy.server.tool_outcome import (
+    ToolResponseTooLarge,
+    never_left,
+    read_bounded,
+    session_refused,
+    tool_run_headers,
+)
+from proxy.server.toolcalls import ToolCall, ToolClient, ToolRoute, record_tool_call
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 from proxy.spans.recorder import SpanRecorder
 
@@ -276,25 +282,26 @@ class MCPGateway(ToolRoute):
         relayed = Relayed()
         upstream: aiohttp.ClientResponse | None = None
         try:
-            timeout = None
+            started, state = time.time(), None
             if rid is not None and not run.generated:
                 # A request of a run: refused once the run is cancelled or past its deadline.
                 state = await self.calls.timed(
-                    "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
+                    "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, started)
                 )
-                if state.caps.deadline is not None:
-                    timeout = max(0.0, state.caps.deadline - time.time())
+            # Also a message the ledger did not see (no X-Run-Id, a notification): its own caps.
+            timeout = call_timeout(run_deadline(run, state, started)).seconds
             if not run.generated:
                 self.flights.add(run.run_id, task, relayed)
             try:
                 async with asyncio.timeout(timeout):
-                    upstream = await self.client.session.post(target.url, data=body, headers=headers)
+                    upstream = await self.client.request("POST", target.url, data=body, headers=headers)
                     end = await self._answer(upstream, reply, answer_headers, watch, rid)
                     if rid is not None:
                         upstream, end = await self._resume(target, headers, reply, watch, rid, upstream, end)
             except TimeoutError:
                 self._cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
-                await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                if not run.generated:
+                    await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
                 raise DeadlineExceeded(
                     f"run {run.run_id} reached its deadline during {method} on MCP server {server.name!r}; "
                     "the request was cancelled. End the run."
@@ -440,7 +447,7 @@ class MCPGateway(ToolRoute):
             again.popall("Content-Type", None)
             again["Accept"] = EVENT_STREAM
             again["Last-Event-ID"] = end.last_event_id
-            upstream = await self.client.session.get(target.url, headers=again, allow_redirects=False)
+            upstream = await self.client.request("GET", target.url, headers=again)
             ctype = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
             if upstream.status != 200 or ctype != EVENT_STREAM:
                 break
@@ -494,7 +501,7 @@ class MCPGateway(ToolRoute):
             out["Mcp-Method"] = "notifications/cancelled"
         try:
             async with asyncio.timeout(CANCEL_NOTICE_TIMEOUT_S):
-                async with self.client.session.post(target.url, data=dumps(notice), headers=out) as answer:
+                async with self.client.request("POST", target.url, data=dumps(notice), headers=out) as answer:
                     await answer.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning(
@@ -574,7 +581,12 @@ class MCPGateway(ToolRoute):
         if not isinstance(arguments, dict):
             raise InvalidRequest("tools/call: params.arguments must be an object", param="params.arguments")
         if self.catalog.needs_listing(server, name):
-            await self._list_tools(server, target, headers, meta)
+            now, state = time.time(), None
+            if not run.generated:  # the run's own deadline bounds runcap's listing too
+                state = await self.calls.timed(
+                    "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, now)
+                )
+            await self._list_tools(server, target, headers, meta, run_deadline(run, state, now))
         tool = server.tools.get(name)
         side_effects = self.catalog.side_effects(server, name)
         call.attributes["mcp.side_effects"] = "true" if side_effects else "false"
@@ -698,13 +710,13 @@ class MCPGateway(ToolRoute):
         tool = server.tools.get(name)
         timeout_s = tool.timeout_s if tool is not None and tool.timeout_s is not None else server.timeout_s
         now = time.time()
-        timeout, by_deadline = remaining_time(state, timeout_s, now)
+        deadline = run_deadline(run, state, now)
+        clock = call_timeout(deadline, timeout_s, now)
+        timeout, by_deadline = clock.seconds, clock.by_deadline
         headers = CIMultiDict(headers)
         if call.key is not None:
             headers["Idempotency-Key"] = call.key
-        if state.caps.deadline is not None:
-            headers["X-Run-Deadline"] = iso(state.caps.deadline) or ""
-            headers["X-Run-Remaining-Ms"] = str(int(max(0.0, state.caps.deadline - now) * 1000))
+        headers.update(deadline_headers(deadline, now))
         call.request_hash = self.recorder.payload(body)
         task = asyncio.current_task()
         assert task is not None
@@ -729,7 +741,7 @@ class MCPGateway(ToolRoute):
         try:
             try:
                 async with asyncio.timeout(timeout) as clock:
-                    upstream = await self.client.session.post(target.url, data=body, headers=headers)
+                    upstream = await self.client.request("POST", target.url, data=body, headers=headers)
                     end = await self._answer(upstream, reply, self._answer_headers(run, call), watch, rid)
                     upstream, end = await self._resume(target, headers, reply, watch, rid, upstream, end)
             except TimeoutError:
@@ -777,29 +789,39 @@ class MCPGateway(ToolRoute):
                     f"run {run.run_id} was cancelled during the call to tool {name!r} of MCP server "
                     f"{server.name!r}; the call was cancelled (it may or may not have taken effect)"
                 ) from None
-            except aiohttp.ClientConnectorError as e:
-                # Never reached the server: nothing happened, the next attempt may execute.
-                if call.key is not None:
-                    await self.calls.release(run.run_id, call.key)
-                raise UpstreamUnavailable(
-                    f"MCP server {server.name!r} ({server.display_url}) is unreachable: {e}"
-                ) from None
             except (aiohttp.ClientError, OSError, ToolResponseTooLarge, EventTooLarge) as e:
                 if answered is not None:
                     return
-                await self.calls.unknown(call, f"connection failed: {type(e).__name__}", label)
+                # Released only when it provably never left; else unknown (server/tool_outcome.py).
+                await self.calls.failed(call, e, label)
+                if never_left(e):
+                    raise UpstreamUnavailable(
+                        f"MCP server {server.name!r} ({server.display_url}) is unreachable: {e}"
+                    ) from None
                 raise self._unavailable(server, f"tools/call {name!r}", e) from None
         finally:
             if upstream is not None:
                 release_or_drop(upstream)
             self.calls.finished(run.run_id, call.key, executing)
-        if answered is None and upstream is not None and upstream.status >= 400:
-            # The server refused the HTTP request itself (an expired session, a bad header) and
-            # executed nothing; its answer went to the agent as it was (a 404 starts a new session).
+        if answered is None and upstream is not None and session_refused(upstream.status, headers):
+            # The session is gone (server/tool_outcome.py): refused before dispatch. The 404 went to
+            # the agent as it was; it starts a new session and sends the call again.
             if call.key is not None:
                 await self.calls.release(run.run_id, call.key)
             call.status, call.outcome = upstream.status, "error"
-            call.error = f"MCP server {server.name!r} answered HTTP {upstream.status}"
+            call.error = f"MCP server {server.name!r} answered HTTP 404: no such session"
+            return
+        if answered is None and upstream is not None and upstream.status >= 300:
+            # An HTTP answer without the JSON-RPC response (a 502/504 of a proxy in front of the
+            # server, a redirect, an error page): the bytes reached something that may have passed
+            # them on, and nothing says what happened. Relayed to the agent as it was; unknown.
+            why = f"the server answered HTTP {upstream.status} without a result"
+            await self.calls.unknown(call, why, label)  # (a read-only call has no record to mark)
+            call.status, call.outcome = upstream.status, "unknown" if call.key is not None else "error"
+            call.error = (
+                f"MCP server {server.name!r} answered HTTP {upstream.status} without a JSON-RPC response; "
+                "the call may or may not have taken effect"
+            )
             return
         if answered is None:
             await self.calls.unknown(call, "the server ended its answer without the result", label)
@@ -811,7 +833,7 @@ class MCPGateway(ToolRoute):
 
     async def _outcome(self, call: ToolCall, message: dict[str, Any], label: str) -> None:
         """The server's answer is the call's outcome: recorded against the key (a repeat replays
-        it) — except an error that says nothing was executed, which releases the key."""
+        it), a JSON-RPC error as much as a result (server/tool_outcome.py)."""
         assert call.run is not None
         call.status = 200
         # Recorded as the server sent it (a replay gives back the same JSON), hashed canonically.
@@ -837,17 +859,19 @@ class MCPGateway(ToolRoute):
         )
         if call.key is None:
             return
-        if "error" in message and message["error"].get("code") in PRE_EXECUTION_ERRORS:
-            await self.calls.release(call.run.run_id, call.key)
-            return
         await self.calls.complete(call.run.run_id, call.key, 200, recorded, data)
 
     async def _list_tools(
-        self, server: MCPServerConfig, target: UpstreamTarget, headers: CIMultiDict[str], meta: dict[str, Any]
+        self,
+        server: MCPServerConfig,
+        target: UpstreamTarget,
+        headers: CIMultiDict[str],
+        meta: dict[str, Any],
+        deadline: float | None,
     ) -> None:
         """Learn the server's tools before a call to one runcap has not seen listed: a
         `tools/list` of runcap's own, in the agent's session (best effort; what stays unknown is
-        side-effecting)."""
+        side-effecting); each page within LISTING_TIMEOUT_S and the run's `deadline`."""
         out = CIMultiDict(headers)
         for h in ("Mcp-Name", "Idempotency-Key", "Last-Event-ID"):
             out.popall(h, None)
@@ -867,8 +891,8 @@ class MCPGateway(ToolRoute):
             request = {"jsonrpc": "2.0", "id": rid, "method": "tools/list", "params": params}
             collected = BatchReply()
             try:
-                async with asyncio.timeout(LISTING_TIMEOUT_S):
-                    upstream = await self.client.session.post(target.url, data=dumps(request), headers=out)
+                async with asyncio.timeout(call_timeout(deadline, LISTING_TIMEOUT_S).seconds):
+                    upstream = await self.client.request("POST", target.url, data=dumps(request), headers=out)
                     try:
                         await self._answer(upstream, collected, {}, None, rid)
                     finally:
@@ -900,14 +924,13 @@ class MCPGateway(ToolRoute):
         task = asyncio.current_task()
         assert task is not None
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
-        timeout = None
+        started, state = time.time(), None
         try:
             if request.method == "GET" and not run.generated:
                 state = await self.calls.timed(
-                    "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
+                    "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, started)
                 )
-                if state.caps.deadline is not None:
-                    timeout = max(0.0, state.caps.deadline - time.time())
+            timeout = call_timeout(run_deadline(run, state, started)).seconds
         except Rejection as rej:
             self.metrics.rejections.labels(rej.code or rej.type).inc()
             return http_refusal(rej, answer_headers)
@@ -918,9 +941,7 @@ class MCPGateway(ToolRoute):
         out: web.StreamResponse | None = None
         try:
             async with asyncio.timeout(timeout):
-                upstream = await self.client.session.request(
-                    request.method, target.url, headers=headers, allow_redirects=False
-                )
+                upstream = await self.client.request(request.method, target.url, headers=headers)
                 out = web.StreamResponse(status=upstream.status, headers=response_headers(upstream.headers))
                 out.headers.update(answer_headers)
                 await out.prepare(request)

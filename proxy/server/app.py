@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from proxy.config import Config, ConfigError
@@ -43,8 +42,10 @@ from proxy.server.inner import InnerCalls
 from proxy.server.local_trust import LocalTrust
 from proxy.server.metrics import OVERFLOW_LABEL, Metrics, MetricsStep
 from proxy.server.ops import OpsRoutes
+from proxy.server.outbound import OutboundClient
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
+from proxy.server.tenant_objects import TenantObjects
 from proxy.server.toolcalls import ToolClient
 from proxy.server.tools import ToolGateway
 from proxy.server.topup import RunCapsAdmin
@@ -69,7 +70,7 @@ class Runtime:
     flights: Flights
     spans: SpanSystem
     forwarder: Forwarder | None = None
-    session: aiohttp.ClientSession | None = None
+    client: OutboundClient | None = None  # to the model upstreams
 
     @property
     def recorder(self) -> SpanRecorder:
@@ -130,7 +131,7 @@ def build_app(
     app[RUNTIME] = rt
 
     guard = AdminGuard(config.admin_token)
-    clients = ClientAuth(config.client_tokens)
+    clients = ClientAuth(config.client_tokens, config.tenant_upstream_keys)
     metrics_guard = (
         AdminGuard(
             config.admin_token, config.metrics_token or "", what="GET /metrics ([metrics] require_token)"
@@ -206,21 +207,20 @@ def build_app(
     app.router.add_route("*", "/r/{run_id}/{tail:.*}", run_in_path)
 
     async def on_startup(app: web.Application) -> None:
-        rt.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
-            auto_decompress=True,
-        )
+        rt.client = OutboundClient(keepalive_timeout_s=60, connect_timeout_s=30, dns_cache_s=300)
+        await rt.client.start()
         budget = BudgetStep(config, ledger, rt.prices, metrics)
         # The context step first: a policy's rewrite and the context cap come before any reservation.
         inner = InnerCalls()  # runcap's own calls within a run: fetch continuations, summaries
         context = ContextStep(config.context, config.caps, budget.history, metrics, inner=inner)
-        steps: list[FlowStep] = [context, budget, MetricsStep(metrics)]
+        # Tenants sharing a provider key see only their own provider objects; first, so a refused
+        # read reserves and counts nothing.
+        steps: list[FlowStep] = [TenantObjects(ledger), context, budget, MetricsStep(metrics)]
         if config.tracing:
             steps.append(TraceStep(spans.recorder))
         if config.log_requests:
             steps.append(AccessLogStep())
-        rt.forwarder = Forwarder(config, rt.session, steps, rt.flights, metrics, inner=inner)
+        rt.forwarder = Forwarder(config, rt.client, steps, rt.flights, metrics, inner=inner)
         await ledger.recover()
         metrics.watch_ledger(ledger)
         ledger.start()  # writes the ledger could not take (settlements...) are retried from now on
@@ -231,8 +231,8 @@ def build_app(
         app[_RECOVERY].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[_RECOVERY]
-        if rt.session is not None:
-            await rt.session.close()
+        if rt.client is not None:
+            await rt.client.close()
         # The WAL fsync'd (and an in-process shipper drained) before exiting.
         await spans.aclose()
         await ledger.close()

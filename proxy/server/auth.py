@@ -5,7 +5,8 @@
   *is* a loopback client. With no `RUNCAP_ADMIN_TOKEN` configured, the server generates one and
   keeps it in `data_dir/admin.token` (mode 0600), where the CLI finds it.
 * With `[auth] client_tokens` (a shared gateway), every proxy request carries
-  `X-Run-Client-Token`; its tenant namespaces the run ids (`{tenant}:{run id}`).
+  `X-Run-Client-Token`; its tenant namespaces the run ids (`{tenant}:{run id}`), and may have
+  provider keys of its own (`upstream_keys`), sent instead of an upstream's shared one.
 """
 
 from __future__ import annotations
@@ -107,9 +108,19 @@ class ClientAuth:
     """Client token → tenant; with no tokens configured every request is its own tenant-less
     client (the sidecar case)."""
 
-    def __init__(self, tokens: Mapping[str, str]) -> None:
+    def __init__(
+        self, tokens: Mapping[str, str], upstream_keys: Mapping[str, Mapping[str, str]] | None = None
+    ) -> None:
         # Looked up by digest, so the comparison does not leak a token's prefix through timing.
         self._by_digest = {hashlib.sha256(t.encode()).digest(): tenant for t, tenant in tokens.items()}
+        self._upstream_keys = upstream_keys or {}
+
+    def upstream_key(self, tenant: str | None, upstream: str) -> str | None:
+        """The provider key configured for `tenant` on `upstream` (`[auth] client_tokens.TENANT.
+        upstream_keys`), sent instead of the upstream's own; None: the tenant has none there."""
+        if tenant is None:
+            return None
+        return self._upstream_keys.get(tenant, {}).get(upstream)
 
     @property
     def enabled(self) -> bool:

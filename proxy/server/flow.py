@@ -46,6 +46,10 @@ class Flow:
     body_changed: bool = False  # body_json was rewritten: re-serialise before forwarding
     info: RequestInfo | None = None
     run: RunRequest | None = None
+    tenant: str | None = None  # the client token's tenant ([auth] client_tokens); None: no tenants
+    # The provider key runcap sends instead of the agent's credentials: the tenant's own for this
+    # upstream, else the upstream's `api_key_env`; None: the agent's own credentials go through.
+    api_key: str | None = None
     reservation: Reservation | None = None
     step: int = 0
     state: RunState | None = None  # the run after the latest ledger operation
@@ -80,6 +84,8 @@ class Flow:
     cut_reason: str | None = None
     # A context policy rewrote the request (proxy/context); None: forwarded as the agent sent it.
     rewrite: Rewrite | None = None
+    # The answer is read whole before it is relayed (a step rewrites it: a list filtered per tenant).
+    buffer_answer: bool = False
     # The call runcap made itself on the agent's behalf (a `runcap_fetch` continuation, a
     # summary): a step of the run like any other, but its answer goes back to runcap.
     inner: bool = False
@@ -91,6 +97,13 @@ class Flow:
     # Set by a done step that could not put the call on record (the span WAL had no room): the
     # agent gets this refusal instead of the answer, or instead of the stream's closing part.
     unrecorded: Rejection | None = None
+
+    @property
+    def shares_key(self) -> bool:
+        """A tenant's call sent with the key every tenant shares: what the provider holds for that
+        key (files, stored responses...) is every tenant's, unless runcap keeps them apart
+        (server/tenant_objects.py)."""
+        return self.tenant is not None and self.api_key is not None and self.api_key == self.upstream.api_key
 
     @property
     def flavor(self) -> str:

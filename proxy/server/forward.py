@@ -38,6 +38,7 @@ from proxy.server.flow import Flights, Flow, FlowStep
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
+from proxy.server.outbound import OutboundClient, call_timeout, run_deadline
 from proxy.server.request_body import read_body
 from proxy.server.upstream_url import UpstreamTarget
 
@@ -64,14 +65,14 @@ class Forwarder:
     def __init__(
         self,
         config: Config,
-        session: aiohttp.ClientSession,
+        client: OutboundClient,
         steps: Sequence[FlowStep],
         flights: Flights,
         metrics: Metrics,
         inner: InnerCalls | None = None,
     ) -> None:
         self.config = config
-        self.session = session
+        self.client = client  # every call to a model upstream leaves through it (server/outbound.py)
         self.steps = list(steps)
         self.flights = flights
         self.metrics = metrics
@@ -198,11 +199,13 @@ class Forwarder:
     async def _read(self, flow: Flow, clients: ClientAuth) -> None:
         """The run's headers and the body, read and checked (the steps' request hooks follow)."""
         request = flow.request
+        flow.tenant = clients.tenant(request)
+        flow.api_key = clients.upstream_key(flow.tenant, flow.upstream.name) or flow.upstream.api_key
         flow.run = parse_run_headers(
             request.headers,
             self.config.caps,
             require_run_id=self.config.require_run_id,
-            tenant=clients.tenant(request),
+            tenant=flow.tenant,
         )
         flow.body = await read_body(request, self.config.max_body_bytes)
         if flow.adapter is not None:
@@ -239,7 +242,7 @@ class Forwarder:
         return self._upstream_headers(flow)
 
     def _upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
-        key = flow.upstream.api_key
+        key = flow.api_key
         out = request_headers(flow.request.headers, AGENT_CREDENTIALS if key else ())
         if key:
             if flow.flavor == "anthropic":
@@ -249,8 +252,8 @@ class Forwarder:
         return out
 
     async def _exchange(self, flow: Flow) -> web.StreamResponse:
-        deadline = flow.state.caps.deadline if flow.state is not None else None
-        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        assert flow.run is not None
+        timeout = call_timeout(run_deadline(flow.run, flow.state, flow.started_wall)).seconds
         body = orjson.dumps(flow.body_json) if flow.body_changed else flow.body
         flow.sent_body = body
         url = flow.target.url
@@ -259,15 +262,12 @@ class Forwarder:
         flow.upstream_started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
-                upstream = await self.session.request(
-                    flow.request.method,
-                    url,
-                    headers=self._upstream_headers(flow),
-                    data=body,
-                    allow_redirects=False,
+                upstream = await self.client.request(
+                    flow.request.method, url, headers=self._upstream_headers(flow), data=body
                 )
                 flow.upstream_status = upstream.status
-                if flow.adapter is None or upstream.content_type == "text/event-stream":
+                relay = flow.adapter is None and not flow.buffer_answer
+                if relay or upstream.content_type == "text/event-stream":
                     reply = await self._start_stream(flow, upstream)
                     await self._relay(flow, upstream, reply)
                     return reply
@@ -324,7 +324,11 @@ class Forwarder:
         rewrite = flow.rewrite
         if rewrite is not None and rewrite.fetch_tool and upstream.status < 400 and not flow.inner:
             return await self._fetch_loop(flow, upstream, body)
-        return web.Response(status=upstream.status, body=body, headers=self._reply_headers(flow, upstream))
+        headers = self._reply_headers(flow, upstream)
+        if flow.response_body is not body:  # a step rewrote the answer (its length is the new one's)
+            body = flow.response_body or b""
+            headers.popall("Content-Length", None)
+        return web.Response(status=upstream.status, body=body, headers=headers)
 
     async def _fetch_loop(self, flow: Flow, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
         """A request with `runcap_fetch` added (proxy/context/fetch.py): runcap answers the model's

@@ -26,6 +26,7 @@ from proxy.context.summarize import SummaryCache
 from proxy.errors import BudgetExceeded, DeadlineExceeded, InvalidRequest, Rejection, RunCancelled
 from proxy.providers.base import BodyError
 from proxy.server.flow import Flow
+from proxy.server.outbound import call_timeout, run_deadline
 
 if TYPE_CHECKING:
     from proxy.server.forward import Forwarder
@@ -60,6 +61,7 @@ class InnerCalls:
         assert parent.adapter is not None
         child = Flow(parent.request, parent.upstream, parent.target, parent.adapter, inner=True)
         child.run = parent.run
+        child.tenant, child.api_key = parent.tenant, parent.api_key
         child.body = orjson.dumps(body)
         child.body_json = body
         try:
@@ -81,14 +83,15 @@ class InnerCalls:
             await self._done(child)
 
     async def _exchange(self, fw: Forwarder, parent: Flow, child: Flow) -> dict[str, Any] | None:
-        deadline = child.state.caps.deadline if child.state is not None else None
-        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        assert child.run is not None
+        deadline = run_deadline(child.run, child.state, parent.started_wall)
+        timeout = call_timeout(deadline).seconds
         sent = orjson.dumps(child.body_json) if child.body_changed else child.body
         child.sent_body = sent
         try:
             async with asyncio.timeout(timeout):
-                async with fw.session.post(
-                    child.target.url, headers=fw.upstream_headers(child), data=sent, allow_redirects=False
+                async with fw.client.request(
+                    "POST", child.target.url, headers=fw.upstream_headers(child), data=sent
                 ) as upstream:
                     child.upstream_status = child.status = upstream.status
                     raw = await upstream.read()

@@ -14,9 +14,6 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TypeVar
 
-import aiohttp
-from aiohttp import web
-
 from proxy.caps import RunRequest
 from proxy.config import Config
 from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, ToolTimeout
@@ -24,6 +21,8 @@ from proxy.ledger.base import Ledger, RunState, ToolCallRequest, ToolCallStart
 from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
+from proxy.server.outbound import OutboundClient, call_timeout
+from proxy.server.tool_outcome import never_left
 from proxy.server.trace import run_snapshot
 from proxy.spans.model import Payload, Span
 from proxy.spans.recorder import NullRecorder, SpanRecorder
@@ -34,34 +33,14 @@ _T = TypeVar("_T")
 _OUTCOME = {DeadlineExceeded: "deadline_exceeded", RunCancelled: "cancelled", ToolTimeout: "timeout"}
 
 
-class ToolClient:
+class ToolClient(OutboundClient):
     """The connection pool to tool services and MCP servers, shared by `/tools` and `/mcp`: those
-    are other hosts than the model providers, so a pool of their own. Opened at start-up; closed
-    at clean-up after the gateways' own (an MCP gateway still sends `notifications/cancelled`
-    through it), so `add_to` comes after theirs."""
+    are other hosts than the model providers, so a pool of their own (sending as every outbound
+    call does: server/outbound.py). Closed at clean-up after the gateways' own (an MCP gateway
+    still sends `notifications/cancelled` through it), so `add_to` comes after theirs."""
 
     def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
-
-    def add_to(self, app: web.Application) -> None:
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)  # aiohttp runs clean-up handlers in this order
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("the tool client is used before the application started")
-        return self._session
-
-    async def _start(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-        )
-
-    async def _stop(self, app: web.Application) -> None:
-        if self._session is not None:
-            await self._session.close()
+        super().__init__(keepalive_timeout_s=30, connect_timeout_s=10)
 
 
 class ToolRoute:
@@ -166,7 +145,8 @@ class ToolCallLedger:
             if start.action != "wait":
                 return start
             deadline = start.state.caps.deadline
-            left = None if deadline is None else max(0.0, deadline - time.time()) + 0.001
+            left = call_timeout(deadline).seconds
+            left = None if left is None else left + 0.001
             pause = delay if left is None else min(delay, left)
             event = self._executing.get((req.run_id, req.key or ""))
             if event is not None:
@@ -215,6 +195,15 @@ class ToolCallLedger:
             # The process's death (or the sweep) turns it unknown anyway.
             log.exception("could not mark tool call %s of run %s unknown", call.key, call.run.run_id)
 
+    async def failed(self, call: ToolCall, error: BaseException, metric_label: str) -> None:
+        """The call raised instead of answering (server/tool_outcome.py): released when it
+        provably never left, else `unknown`."""
+        if never_left(error):
+            if call.key is not None and call.run is not None:
+                await self.release(call.run.run_id, call.key)
+            return
+        await self.unknown(call, f"connection failed: {type(error).__name__}", metric_label)
+
     async def release(self, run_id: str, key: str) -> None:
         """The call never reached the tool: delete its intent (and its count), so the next
         attempt executes."""
@@ -254,14 +243,3 @@ def record_tool_call(
         recorder.step([span], run_snapshot(call.state) if call.state is not None else None, call.bodies)
     except Exception:
         log.exception("could not record the span of a call to tool %s", call.tool)
-
-
-def remaining_time(state: RunState, timeout_s: float | None, now: float) -> tuple[float | None, bool]:
-    """The call's timeout — the run's remaining time, or the tool's own `timeout_s` when that is
-    shorter — and whether it is the run's deadline that bounds it."""
-    deadline = state.caps.deadline
-    remaining = None if deadline is None else max(0.0, deadline - now)
-    timeout = remaining
-    if timeout_s is not None and (timeout is None or timeout_s < timeout):
-        timeout = timeout_s
-    return timeout, remaining is not None and timeout == remaining

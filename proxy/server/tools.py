@@ -8,8 +8,10 @@ One call:
   2. forward method, sub-path, query and body to the tool, with the run's remaining time as the
      timeout (min the tool's `timeout_s`) and `X-Run-Id`, `Idempotency-Key`, `X-Run-Deadline`,
      `X-Run-Remaining-Ms`; registered in `Flights` so a cancel closes the connection;
-  3. record the outcome (status, content-type, body) — or `unknown` when the call was cut after
-     it may have reached the tool (cancel, timeout, reset) — and answer; one `tool` span.
+  3. record the outcome by the rule MCP `tools/call` follows too (server/tool_outcome.py): the
+     tool's HTTP answer, whatever its status (a 3xx, a proxy's 502 or 504 included) — or
+     `unknown` when the call was cut after it may have reached the tool (cancel, timeout, reset);
+     released only when it never left (no connection) — and answer; one `tool` span.
 
 Idempotency key: the caller's `Idempotency-Key` (namespaced by run in the ledger), else
 sha256(canonical_json({"run", "tool", "args", "op"}))[:32] with `args` the JSON body (restricted
@@ -49,36 +51,17 @@ from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
 from proxy.ledger.base import IdempotencyRecord, RunState, ToolCallRequest
 from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
-from proxy.server.ops import iso
+from proxy.server.outbound import call_timeout, deadline_headers, run_deadline
 from proxy.server.request_body import read_body
-from proxy.server.toolcalls import ToolCall, ToolRoute, record_tool_call, remaining_time
+from proxy.server.tool_outcome import ToolResponseTooLarge, never_left, read_bounded, tool_run_headers
+from proxy.server.toolcalls import ToolCall, ToolRoute, record_tool_call
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 
 log = logging.getLogger("runcap.tools")
 
 SIDE_EFFECT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-# Response headers worth replaying with a recorded outcome.
-RECORDED_HEADERS = ("content-type",)
-
-
-class ToolResponseTooLarge(Exception):
-    def __init__(self, size: int | None) -> None:
-        super().__init__(size)
-        self.size = size  # the declared Content-Length, when there was one
-
-
-async def read_bounded(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole answer, or `ToolResponseTooLarge` as soon as it passes `limit` bytes (memory
-    and the ledger's outcome record stay bounded whatever a tool sends)."""
-    declared = upstream.content_length
-    if declared is not None and declared > limit:
-        raise ToolResponseTooLarge(declared)
-    data = bytearray()
-    async for chunk in upstream.content.iter_any():
-        data += chunk
-        if len(data) > limit:
-            raise ToolResponseTooLarge(None)
-    return bytes(data)
+# Response headers worth replaying with a recorded outcome (a 3xx is replayed with its Location).
+RECORDED_HEADERS = ("content-type", "location")
 
 
 def has_side_effects(tool: ToolConfig, method: str) -> bool:
@@ -106,16 +89,6 @@ def derive_key(
     if method.upper() != "POST" or tail or query:
         name = f"{method.upper()} {tool.name}/{tail}" + (f"?{query}" if query else "")
     return idempotency_key(run_id, name, key_args, operation_id)
-
-
-def tool_run_headers(state: RunState, now: float) -> dict[str, str]:
-    headers = {"X-Run-Id": state.run_id}
-    remaining = state.remaining(now)
-    if remaining["tool_calls"] is not None:
-        headers["X-Run-Remaining-Tool-Calls"] = str(remaining["tool_calls"])
-    if remaining["ms"] is not None:
-        headers["X-Run-Remaining-Ms"] = str(int(remaining["ms"]))
-    return headers
 
 
 class ToolGateway(ToolRoute):
@@ -241,15 +214,13 @@ class ToolGateway(ToolRoute):
         run = call.run
         assert run is not None
         now = time.time()
-        deadline = state.caps.deadline
-        remaining = None if deadline is None else max(0.0, deadline - now)
-        timeout, by_deadline = remaining_time(state, tool.timeout_s, now)
+        deadline = run_deadline(run, state, now)
+        clock = call_timeout(deadline, tool.timeout_s, now)
+        timeout, by_deadline = clock.seconds, clock.by_deadline
 
         if call.key is not None:
             headers["Idempotency-Key"] = call.key
-        if deadline is not None:
-            headers["X-Run-Deadline"] = iso(deadline) or ""
-            headers["X-Run-Remaining-Ms"] = str(int((remaining or 0.0) * 1000))
+        headers.update(deadline_headers(deadline, now))
 
         recorder = self.recorder
         if body:
@@ -259,8 +230,8 @@ class ToolGateway(ToolRoute):
         try:
             try:
                 async with asyncio.timeout(timeout):
-                    upstream = await self.client.session.request(
-                        request.method, target.url, headers=headers, data=body, allow_redirects=False
+                    upstream = await self.client.request(
+                        request.method, target.url, headers=headers, data=body
                     )
                     data = await read_bounded(upstream, self.config.tool_max_response_bytes)
                     status, answer_headers = upstream.status, upstream.headers
@@ -302,15 +273,13 @@ class ToolGateway(ToolRoute):
                     f"run {run.run_id} was cancelled during the call to tool {tool.name!r}; the call was "
                     "aborted (it may or may not have taken effect)"
                 ) from None
-            except aiohttp.ClientConnectorError as e:
-                # Never reached the tool: nothing happened, the next attempt may execute.
-                if call.key is not None:
-                    await self.calls.release(run.run_id, call.key)
-                raise UpstreamUnavailable(
-                    f"tool {tool.name!r} ({tool.display_url}) is unreachable: {e}"
-                ) from None
             except (aiohttp.ClientError, OSError) as e:
-                await self._unknown(call, f"connection failed: {type(e).__name__}")
+                # Released only when it provably never left; else unknown (server/tool_outcome.py).
+                await self.calls.failed(call, e, call.tool)
+                if never_left(e):
+                    raise UpstreamUnavailable(
+                        f"tool {tool.name!r} ({tool.display_url}) is unreachable: {e}"
+                    ) from None
                 raise UpstreamUnavailable(
                     f"tool {tool.name!r} ({tool.display_url}) failed during the call: "
                     f"{type(e).__name__}: {e}; it may or may not have taken effect"

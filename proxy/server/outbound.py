@@ -1,0 +1,117 @@
+"""Every call runcap makes to another server leaves through here: model calls and pass-through
+(forward.py), runcap's own model calls within a run (inner.py), tool calls (tools.py) and every
+MCP request (mcp/gateway.py: relays, `tools/call`, runcap's own `tools/list`, cancel notices,
+GET streams, DELETE). What holds for all of them holds because it is written once, here:
+
+* **No redirect is followed.** `OutboundClient.request` is the only way to send, and it never
+  follows one: a 3xx is the server's answer, relayed or recorded as such (a followed 307 would
+  carry a tool's configured secret header, and the call's body, to another origin).
+* **No silent second send.** aiohttp resends a request whose pooled connection reset, when its
+  method is "idempotent" (PUT, DELETE...). A side-effecting tool call is not, whatever its
+  method: a resend is a second execution. Off.
+* **One timeout arithmetic.** `call_timeout` turns the run's deadline (and a call's own limit,
+  e.g. a tool's `timeout_s`) into the call's timeout; `run_deadline` says what the deadline is,
+  also for a request the ledger has not seen — a request without `X-Run-Id` is its own run, and
+  the operator's `[caps]` / `[tasks]` timeout bounds it from its first byte. `deadline_headers`
+  are the `X-Run-Deadline` / `X-Run-Remaining-Ms` a tool or MCP server is told.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.client import _RequestContextManager
+
+from proxy.caps import RunRequest
+from proxy.ledger.base import RunState
+from proxy.server.ops import iso
+
+
+@dataclass(frozen=True, slots=True)
+class CallTimeout:
+    """How long one outbound call may take: `seconds` None = unbounded; `by_deadline` = the run's
+    deadline is what bounds it (a cut is then the run's deadline, not the call's own limit)."""
+
+    seconds: float | None
+    by_deadline: bool
+
+
+def call_timeout(
+    deadline: float | None, limit_s: float | None = None, now: float | None = None
+) -> CallTimeout:
+    """The run's remaining time until `deadline`, or the call's own `limit_s` when that is shorter."""
+    remaining = None if deadline is None else max(0.0, deadline - (time.time() if now is None else now))
+    if limit_s is not None and (remaining is None or limit_s < remaining):
+        return CallTimeout(limit_s, False)
+    return CallTimeout(remaining, remaining is not None)
+
+
+def run_deadline(run: RunRequest, state: RunState | None, started: float) -> float | None:
+    """The deadline of `run` for a call that started at `started`: the ledger's (fixed when the run
+    was first seen) when the call touched the ledger; else the request's own caps resolved from
+    `started` — a generated run (no `X-Run-Id`) is its own run, so its operator timeout
+    (`[caps] default_timeout_s` / ceiling, `[tasks."T"] timeout_s`) starts with it."""
+    if state is not None:
+        return state.caps.deadline
+    return run.caps.resolve_deadline(started).deadline
+
+
+def deadline_headers(deadline: float | None, now: float | None = None) -> dict[str, str]:
+    """`X-Run-Deadline` (RFC 3339, milliseconds, UTC) and `X-Run-Remaining-Ms` for a tool or an
+    MCP server, so it can stop on time too; none when the run has no deadline."""
+    if deadline is None:
+        return {}
+    left = max(0.0, deadline - (time.time() if now is None else now))
+    return {"X-Run-Deadline": iso(deadline) or "", "X-Run-Remaining-Ms": str(int(left * 1000))}
+
+
+class OutboundClient:
+    """One connection pool to other servers, opened at start-up and closed at clean-up. Requests
+    go out only through `request` (never following a redirect, never resent on their own)."""
+
+    def __init__(
+        self, *, keepalive_timeout_s: float, connect_timeout_s: float, dns_cache_s: int = 10
+    ) -> None:
+        self._keepalive_timeout_s = keepalive_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._dns_cache_s = dns_cache_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def add_to(self, app: web.Application) -> None:
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)  # aiohttp runs clean-up handlers in order of addition
+
+    async def _start(self, app: web.Application) -> None:
+        await self.start()
+
+    async def _stop(self, app: web.Application) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=self._keepalive_timeout_s, ttl_dns_cache=self._dns_cache_s
+            ),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s),
+            auto_decompress=True,
+        )
+        # aiohttp's resend of a PUT/DELETE/GET whose pooled connection reset (RFC 9112 9.3.1) has no
+        # public switch; a tool's DELETE may have executed before the reset.
+        session._retry_connection = False
+        self._session = session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def request(
+        self, method: str, url: str, *, headers: Any = None, data: bytes | None = None
+    ) -> _RequestContextManager:
+        """Send one request (await it, or use it as `async with`); a 3xx comes back as the answer."""
+        if self._session is None:
+            raise RuntimeError("an outbound client is used before the application started")
+        return self._session.request(method, url, headers=headers, data=data, allow_redirects=False)
