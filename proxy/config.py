@@ -99,6 +99,10 @@ class TaskCaps:
     context_policy: tuple[str, ...] = ()
 
 
+# Upper bound of `caps.max_upstream_failures`: beyond it a provider outage is retried unbounded.
+MAX_UPSTREAM_FAILURES = 1000
+
+
 @dataclass(frozen=True, slots=True)
 class CapsConfig:
     """Operator defaults (used when a header is absent) and ceilings (clamp every header value)."""
@@ -124,6 +128,9 @@ class CapsConfig:
     default_output_tokens: int = 16384
     # A caller's X-Run-Deadline / X-Run-Timeout further out than this is a 400, not a cap.
     max_run_seconds: float = 7 * 24 * 3600.0
+    # Model calls of a run that got no answer (connect error, 408/409/429/5xx, cut before any
+    # output) in a row before its next call is refused (402 max_upstream_failures).
+    max_upstream_failures: int = 5
     tasks: Mapping[str, TaskCaps] = field(default_factory=dict)
 
 
@@ -677,7 +684,10 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
         f"{kind}_{cap}"
         for kind in ("default", "ceiling")
         for cap in ("max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s", "max_context_tokens")
-    } | {"allow_unpriced", "min_output_tokens", "default_output_tokens", "max_run_seconds"}
+    } | {
+        "allow_unpriced", "min_output_tokens", "default_output_tokens", "max_run_seconds",
+        "max_upstream_failures",
+    }  # fmt: skip
     _only(section, where, allowed)
     values: dict[str, Any] = {}
     for kind in ("default", "ceiling"):
@@ -692,6 +702,13 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
     values["default_output_tokens"] = _int(section, where, "default_output_tokens", minimum=1, default=16384)
     max_run = _number(section, where, "max_run_seconds", positive=True)
     values["max_run_seconds"] = float(max_run) if max_run is not None else 7 * 24 * 3600.0
+    failures = _int(section, where, "max_upstream_failures", minimum=1, default=5)
+    if failures > MAX_UPSTREAM_FAILURES:
+        raise ConfigError(
+            f"caps.max_upstream_failures: expected a whole number from 1 to {MAX_UPSTREAM_FAILURES}, "
+            f"got {failures!r}"
+        )
+    values["max_upstream_failures"] = failures
     for kind in ("default", "ceiling"):
         timeout = values[f"{kind}_timeout_s"]
         if timeout is not None and timeout > values["max_run_seconds"]:

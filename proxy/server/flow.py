@@ -68,6 +68,8 @@ class Flow:
     price_known: bool = True
     outcome: str = "ok"
     error: str = ""
+    # The call produced no model output (budget.answer_missing): it gave its step back.
+    no_answer: bool = False
     # Why the call was cut, when it was: "deadline" or "cancel" (set by whoever cut it).
     cut_reason: str | None = None
     # A context policy rewrote the request (proxy/context); None: forwarded as the agent sent it.

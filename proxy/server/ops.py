@@ -46,6 +46,8 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
         "reserved_usd": format_usd(state.reserved_usd_nanos),
         "reserved_tokens": state.reserved_tokens,
         "final_step_reason": state.final_reason,
+        # Model calls in a row the upstream did not answer (caps.max_upstream_failures stops the run).
+        "upstream_failures": state.upstream_failures,
         # Input tokens of the run's first answered step: the baseline of X-Run-Context-Growth.
         "context_baseline_tokens": state.context_baseline,
         "caps": {

@@ -186,6 +186,11 @@ class TraceStep:
             attributes["final_step"] = "true"
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
+        if flow.no_answer:
+            # No model output: the step was given back (the next call has the same step number).
+            attributes["step.counted"] = "false"
+        if state is not None and state.upstream_failures:
+            attributes["upstream.failures"] = str(state.upstream_failures)
         bodies.extend(context_record(flow, rec, attributes, is_error))
         model_span = Span(
             run_id=flow.run.run_id,
