@@ -808,6 +808,7 @@ class MCPGateway(ToolRoute):
         it) — except an error that says nothing was executed, which releases the key."""
         assert call.run is not None
         call.status = 200
+        call.reached = "true"
         # Recorded as the server sent it (a replay gives back the same JSON), hashed canonically.
         if "result" in message:
             result = message["result"]

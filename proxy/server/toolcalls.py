@@ -112,6 +112,10 @@ class ToolCall:
     outcome: str = "ok"
     error: str = ""
     cut_reason: str | None = None
+    # Whether the call reached the tool (span attribute `tool.reached`, read by
+    # queries/duplicate_side_effects.sql): "true" the tool answered, "unknown" cut after it may
+    # have, "false" never (refused by runcap, replayed from its record, tool unreachable).
+    reached: str = "false"
     attributes: dict[str, str] = field(default_factory=dict)  # the span's, beyond the columns
 
     def keep_body(self, recorder: SpanRecorder, data: bytes, *, response: bool, is_error: bool = False,
@@ -205,6 +209,8 @@ class ToolCallLedger:
 
     async def unknown(self, call: ToolCall, reason: str, metric_label: str) -> None:
         """The call was cut after it may have reached the tool: `unknown` until reconciled."""
+        if call.reached != "true":  # runcap failing after the answer: the tool was reached
+            call.reached = "unknown"
         if call.key is None or call.run is None:
             return
         call.outcome = "unknown"
@@ -248,7 +254,7 @@ def record_tool_call(
             idempotency_key=call.key or "",
             request_hash=call.request_hash,
             response_hash=call.response_hash,
-            attributes=call.attributes,
+            attributes={**call.attributes, "tool.reached": call.reached},
         )
         # the run's state: its executed tool calls changed
         recorder.step([span], run_snapshot(call.state) if call.state is not None else None, call.bodies)

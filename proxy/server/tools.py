@@ -332,6 +332,7 @@ class ToolGateway(ToolRoute):
         if task is not None:
             self.flights.remove(run.run_id, task)
         call.status = status
+        call.reached = "true"
         call.result_hash = result_hash(data)
         if status >= 400:
             call.outcome = "error"
