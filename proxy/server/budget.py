@@ -245,6 +245,7 @@ class BudgetStep:
     def settlement(self, flow: Flow, res: Reservation) -> Settlement:
         info = flow.response_info
         usage = info.usage if info else None
+        flow.usage_seen = usage
         if flow.outcome == "incomplete":
             # A stream that ended without its closing event: the provider may have generated (and
             # billed) more than runcap saw, so it is settled at least at its reservation.
@@ -276,6 +277,14 @@ class BudgetStep:
                 cache_read_tokens=usage.cache_read_tokens,
                 cache_write_tokens=usage.cache_write_tokens,
                 reasoning_tokens=usage.reasoning_tokens,
+            )
+        if usage is not flow.usage_seen:
+            # Settled above what the provider reported (a cut, a missing usage): those figures
+            # are the reservation's, and the span says so (trace.py).
+            seen = flow.usage_seen or Usage()
+            flow.usage_reserved = (
+                usage.input_tokens > seen.input_tokens,
+                usage.output_tokens > seen.output_tokens,
             )
         # Priced as the model the call reserved for (a gateway or an Azure deployment may answer
         # with a name of its own, unknown or cheaper), unless the answering model is known and

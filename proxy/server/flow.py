@@ -64,6 +64,11 @@ class Flow:
     streamed: bool = False
     ttft_ms: float | None = None
     usage: Usage | None = None  # as settled
+    # A call cut short is settled partly at its reservation: which of `usage`'s input and output
+    # figures are the reserved worst case (not reported by the provider), and what the provider
+    # had reported when it was cut (None: nothing).
+    usage_reserved: tuple[bool, bool] = (False, False)
+    usage_seen: Usage | None = None
     cost_nanos: int = 0
     price_known: bool = True
     outcome: str = "ok"
