@@ -8,6 +8,11 @@ parameter, one per line:
 
     -- @param NAME TYPE = DEFAULT  -- description
 
+and may say which of its columns answer the question, most important first — what a terminal
+table keeps when it is too narrow for all of them (`runcap query` at 80 columns):
+
+    -- @priority COLUMN COLUMN ...
+
 TYPE is the ClickHouse type used in the SQL (`{NAME:TYPE}`); DEFAULT is a ClickHouse expression
 (`''`, `20`, `now() - INTERVAL 24 HOUR`). `runcap query` evaluates the defaults of the parameters
 not given on the command line in one `SELECT toString(CAST((DEFAULT) AS TYPE)), ...` on the same
@@ -30,6 +35,7 @@ _PARAM_LINE = re.compile(
     r"^--\s*@param\s+(?P<name>\w+)\s+(?P<type>.+?)\s+=\s+(?P<default>.+?)(?:\s+--\s+(?P<doc>.*))?$"
 )
 _USED_PARAM = re.compile(r"\{(\w+):([^{}]+)\}")
+_PRIORITY_LINE = re.compile(r"^--\s*@priority\s+(?P<columns>.+)$")
 _TITLE = re.compile(r"^--\s*(?P<name>[\w-]+):\s*(?P<question>.*)$")
 
 
@@ -52,6 +58,8 @@ class QueryFile:
     sql: str  # the whole file, comments included: it runs as is
     question: str  # the header's first paragraph
     params: tuple[QueryParam, ...]
+    # The columns that answer the question, most important first (`-- @priority`); () = none said.
+    priority: tuple[str, ...] = ()
 
     def param(self, name: str) -> QueryParam | None:
         return next((p for p in self.params if p.name == name), None)
@@ -86,6 +94,7 @@ def load_query(name: str, directory: Path | None = None) -> QueryFile:
 
 def parse_query(name: str, sql: str, path: Path) -> QueryFile:
     params: list[QueryParam] = []
+    priority: list[str] = []
     question: list[str] = []
     in_title = False
     for line in sql.splitlines():
@@ -101,6 +110,8 @@ def parse_query(name: str, sql: str, path: Path) -> QueryFile:
             in_title = bool(text) and not text.startswith("@param")  # the paragraph ends at a blank
             if in_title:
                 question.append(text)
+        if (p := _PRIORITY_LINE.match(stripped)) is not None:
+            priority.extend(p["columns"].split())
         if "@param" in stripped:
             m = _PARAM_LINE.match(stripped)
             if m is None:
@@ -119,7 +130,7 @@ def parse_query(name: str, sql: str, path: Path) -> QueryFile:
             )
         if _norm(p.type) != _norm(used_type):
             raise QueryFileError(f"{path}: parameter {used} is declared {p.type} but used as {used_type}")
-    return QueryFile(name, path, sql, " ".join(question), tuple(params))
+    return QueryFile(name, path, sql, " ".join(question), tuple(params), tuple(priority))
 
 
 def bind(query: QueryFile, given: dict[str, str], reader: SqlReader) -> dict[str, str]:

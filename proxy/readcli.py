@@ -185,27 +185,27 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
 class TableView:
     """How a terminal shows a query's rows (--json gets every column, as named in the SQL)."""
 
-    show: tuple[str, ...]  # the columns, left to right
-    priority: tuple[str, ...]  # most important first: the last ones are left out first when narrow
+    show: tuple[str, ...]  # the columns, left to right (): all of them, as the SQL names them
+    # Most important first: the last ones are left out first when narrow. (): the query file's
+    # own `-- @priority` (proxy/queryfiles.py), else left to right.
+    priority: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)  # shorter headers for wide-named columns
 
 
 _VIEWS = {
+    # The priority of both is the query file's (queries/runs.sql, queries/run_timeline.sql).
     "runs": TableView(
         show=("run_id", "task", "status", "cap_hit", "steps", "tool_calls", "input_tokens",
               "output_tokens", "cost_usd", "max_usd", "updated_at"),
-        priority=("run_id", "status", "steps", "cost_usd", "cap_hit", "updated_at", "task",
-                  "tool_calls", "max_usd", "input_tokens", "output_tokens"),
+        priority=load_query("runs").priority,
         labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "tool_calls": "tools"},
     ),
     # request_hash / response_hash are the payloads' keys: `runcap payload PREFIX` prints them.
     "run_timeline": TableView(
         show=("started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens", "cost_usd",
               "cumulative_usd", "outcome", "status_code", "duration_ms", "request_hash", "response_hash",
-              "args_hash", "result_hash", "idempotency_key", "error", "context"),
-        priority=("step", "kind", "tool", "outcome", "cost_usd", "status_code", "error", "context",
-                  "request_hash", "response_hash", "input_tokens", "output_tokens", "duration_ms",
-                  "started_at", "model", "cumulative_usd", "idempotency_key", "args_hash", "result_hash"),
+              "args_hash", "result_hash", "idempotency_key", "detail", "context"),
+        priority=load_query("run_timeline").priority,
         labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "status_code": "status",
                 "duration_ms": "ms", "cumulative_usd": "total_usd", "request_hash": "request",
                 "response_hash": "response"},
@@ -256,7 +256,10 @@ def _run(args: argparse.Namespace, reader: Reader) -> int:
             raise ReadError(f"no spans for run {args.run_id!r} in {reader.where}")
         total = rows[-1][columns.index("cumulative_usd")]
         title = f"run {args.run_id}: {len(rows)} spans, ${_fmt_decimal(total)}"
-    print_rows(columns, rows, args.json, view=_VIEWS.get(name), title=title, wide=args.wide)
+    view = _VIEWS.get(name, TableView(show=()))
+    if not view.priority and query.priority:
+        view = TableView(view.show, query.priority, view.labels)
+    print_rows(columns, rows, args.json, view=view, title=title, wide=args.wide)
     return 0
 
 
