@@ -16,7 +16,7 @@
 --   a model call that got no answer: "not a step" (attributes step.counted, upstream.failures).
 --
 -- Columns kept first on a narrow terminal (`runcap run` at 80 columns):
--- @priority step kind tool outcome detail cost_usd status_code context input_tokens output_tokens duration_ms request_hash response_hash started_at model cumulative_usd idempotency_key args_hash result_hash
+-- @priority step kind tool outcome detail cost_usd status_code context request_hash response_hash input_tokens output_tokens duration_ms started_at model cumulative_usd idempotency_key args_hash result_hash
 --
 -- @param run_id  String                = ''                          -- the run; '' = the most recently active run
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''

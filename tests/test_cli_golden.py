@@ -89,8 +89,8 @@ def night() -> tuple[list[Span], list[RunSnapshot]]:
          attributes={"usage.input": "reserved", "usage.output": "reserved",
                      "usage.seen_input_tokens": "0", "usage.seen_output_tokens": "0"})
     span(r, "model", 5, 62, **model, duration_ms=1.2, status_code=402, outcome="budget_exceeded",
-         error="X-Run-Max-Usd: run ticket-4711 has $0.001687500 left of its $0.030000000 cap; this call needs "
-               "at least $0.004000000. The run is out of budget: end it or start a new run.")
+         error="X-Run-Max-Usd: run ticket-4711 has $0.001687500 left of its $0.030000000 cap; this call "
+               "needs at least $0.004000000. The run is out of budget: end it or start a new run.")
 
     r = "ticket-4712"
     span(r, "tool", 0, 100, task="refunds", endpoint="POST", status_code=504, duration_ms=30001.0,
@@ -178,7 +178,7 @@ def query_params(name: str) -> list[str]:
 
 
 COMMANDS: dict[str, list[str]] = {
-    **{f"query-{q.name}": ["query", q.name, *sum((["--param", p] for p in query_params(q.name)), [])]
+    **{f"query-{q.name}": ["query", q.name, *(a for p in query_params(q.name) for a in ("--param", p))]
        for q in list_queries()},
     "run": ["run", "ticket-4711"],
     "runs": ["runs", "--since", SINCE],
@@ -241,5 +241,56 @@ def test_golden(name: str, width: int, reader: StoreReader, capsys, monkeypatch)
     path = GOLDEN / f"{name}.{width}.txt"
     if os.environ.get("RUNCAP_UPDATE_GOLDEN"):
         path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(out)
+    assert out == path.read_text(), f"{path} differs (RUNCAP_UPDATE_GOLDEN=1 rewrites it)"
+
+
+# -- runcap reconcile ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ledger_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ledger with two tool calls cut after they may have reached the tool."""
+    import asyncio
+
+    from proxy.caps import RunCaps
+    from proxy.config import build_config
+    from proxy.ledger.base import ToolCallRequest
+    from proxy.server.app import open_ledger
+
+    data = tmp_path_factory.mktemp("golden-ledger")
+    config = build_config({}, {}, data_dir=str(data))
+
+    async def fill() -> None:
+        ledger = open_ledger(config)
+        try:
+            for n, (run_id, tool, path, why) in enumerate((
+                ("ticket-4712", "slow_refund", "", "tool timeout"),
+                ("ticket-4799", "charge", "accounts/42/charges?currency=EUR", "run cancelled mid-call"),
+            )):  # fmt: skip
+                now = T0.timestamp() + 100 * n
+                req = ToolCallRequest(run_id, "refunds", RunCaps(), now, tool, ("9f3a", "c07e")[n] * 8,
+                                      f"{n + 7:x}" * 64, method="POST", path=path)  # fmt: skip
+                await ledger.begin_tool_call(req)
+                await ledger.mark_unknown(run_id, req.key or "", now + 30, why)
+        finally:
+            await ledger.close()
+
+    asyncio.run(fill())
+    return data
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_golden_reconcile(width: int, ledger_dir: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from proxy.cli import main
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    capsys.readouterr()
+    assert main(["reconcile", "--data-dir", str(ledger_dir)]) == 0
+    out = capsys.readouterr().out
+    assert all(len(line) <= width for line in out.splitlines()), out
+    assert {"key", "run_id", "tool", "state"} <= set(out.splitlines()[0].split())
+    path = GOLDEN / f"reconcile.{width}.txt"
+    if os.environ.get("RUNCAP_UPDATE_GOLDEN"):
         path.write_text(out)
     assert out == path.read_text(), f"{path} differs (RUNCAP_UPDATE_GOLDEN=1 rewrites it)"
