@@ -42,7 +42,7 @@ def caps_suggest(args: argparse.Namespace, reader: Reader) -> str:
     given = {"task": args.task or ""}
     if args.since:
         given["since"] = args.since
-    params = bind(query, given, reader)
+    params = bind(query, given, reader, {"task": "--task", "since": "--since"})
     columns, rows = reader.query(query.sql, params)
     by_task: dict[str, list[dict[str, Any]]] = {}
     for row in rows:

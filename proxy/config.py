@@ -291,21 +291,26 @@ def build_config(
     if payloads not in PAYLOAD_MODES:
         raise ConfigError(f"payloads: expected one of {', '.join(PAYLOAD_MODES)}, got {payloads!r}")
 
-    clickhouse_url = env.get("RUNCAP_CLICKHOUSE_URL") or raw.get("clickhouse_url") or None
+    # Each message names what the user wrote: the variable when it was set, else the TOML key.
+    clickhouse_url, clickhouse_name = _env_or_key(env, raw, "RUNCAP_CLICKHOUSE_URL", "clickhouse_url")
     if clickhouse_url:
-        _check_url(clickhouse_url, "RUNCAP_CLICKHOUSE_URL", ("http", "https"))
+        _check_url(clickhouse_url, clickhouse_name, ("http", "https"))
     # The reader `/admin/sql` and the read CLI use (a `runcap_reader` user: docs/admin-sql.md).
-    clickhouse_read_url = env.get("RUNCAP_CLICKHOUSE_READ_URL") or raw.get("clickhouse_read_url") or None
+    clickhouse_read_url, read_name = _env_or_key(
+        env, raw, "RUNCAP_CLICKHOUSE_READ_URL", "clickhouse_read_url"
+    )
     if clickhouse_read_url:
         if not clickhouse_url:
-            raise ConfigError("RUNCAP_CLICKHOUSE_READ_URL: needs RUNCAP_CLICKHOUSE_URL (a ClickHouse server)")
-        _check_url(clickhouse_read_url, "RUNCAP_CLICKHOUSE_READ_URL", ("http", "https"))
-    s3_url = env.get("RUNCAP_S3_URL") or raw.get("s3_url") or None
+            raise ConfigError(
+                f"{read_name}: needs RUNCAP_CLICKHOUSE_URL or clickhouse_url (a ClickHouse server)"
+            )
+        _check_url(clickhouse_read_url, read_name, ("http", "https"))
+    s3_url, s3_name = _env_or_key(env, raw, "RUNCAP_S3_URL", "s3_url")
     if s3_url:
-        _check_url(s3_url, "RUNCAP_S3_URL", ("s3",))
-    redis_url = env.get("RUNCAP_REDIS_URL") or raw.get("redis_url") or None
+        _check_url(s3_url, s3_name, ("s3",))
+    redis_url, redis_name = _env_or_key(env, raw, "RUNCAP_REDIS_URL", "redis_url")
     if redis_url:
-        _check_url(redis_url, "RUNCAP_REDIS_URL", ("redis", "rediss", "unix"))
+        _check_url(redis_url, redis_name, ("redis", "rediss", "unix"))
 
     retention = _number(raw, "", "ledger_retention_s", positive=True)
     if retention is not None and retention < 1:
@@ -397,7 +402,9 @@ def parse_listen(value: str, setting: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_s)
 
 
-def _check_url(url: str, setting: str, schemes: tuple[str, ...]) -> None:
+def _check_url(url: Any, setting: str, schemes: tuple[str, ...]) -> None:
+    if not isinstance(url, str):
+        raise ConfigError(f"{setting}: expected a {'/'.join(s + '://' for s in schemes)}... URL, got {url!r}")
     parts = urlsplit(url)
     if parts.scheme not in schemes or not (parts.netloc or parts.scheme == "unix"):
         raise ConfigError(f"{setting}: expected a {'/'.join(s + '://' for s in schemes)}... URL, got {url!r}")
@@ -470,6 +477,14 @@ def _seconds(section: Mapping[str, Any], key: str, default: float) -> float:
     if value > 86400:
         raise ConfigError(f"{key}: expected a number of seconds > 0 and ≤ 86400, got {section[key]!r}")
     return float(value)
+
+
+def _env_or_key(env: Mapping[str, str], raw: Mapping[str, Any], var: str, key: str) -> tuple[Any, str]:
+    """A setting the environment overrides: its value (None: not set) and the name the user wrote
+    it under — the variable when it is set, else the TOML key — for messages about it."""
+    if env.get(var):
+        return env[var], var
+    return raw.get(key) or None, key
 
 
 def _join(where: str, key: str) -> str:

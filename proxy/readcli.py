@@ -31,6 +31,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
 
+from proxy.clierrors import http_error, store_error
 from proxy.config import Config
 from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
 from proxy.server.auth import cli_admin_token
@@ -75,12 +76,8 @@ class AdminSqlReader:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 answer = json.loads(resp.read())
         except urllib.error.HTTPError as e:
-            text = e.read().decode("utf-8", "replace")
-            try:
-                message = json.loads(text)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = text[:2000]
-            raise ReadError(f"{self.where}: HTTP {e.code}: {message}") from None
+            answer = http_error(e.code, e.read().decode("utf-8", "replace"))
+            raise ReadError(f"{self.where}: {answer}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             reason = getattr(e, "reason", e)
             raise StoreUnreachable(f"no runcap answers at {self.base_url} ({reason})") from None
@@ -169,8 +166,8 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
             return configured
         except StoreUnreachable as e:
             attempts.append(str(e))
-        except ReadError as e:  # it answered, but refused (e.g. 401): that is the answer
-            raise ReadError(f"{e} (set RUNCAP_ADMIN_TOKEN)" if "401" in str(e) else str(e)) from None
+        except ReadError:  # it answered, but refused (e.g. 401: http_error says what to do)
+            raise
     raise ReadError(
         "cannot read the span store: "
         + "; ".join(attempts)
@@ -227,7 +224,7 @@ def run_read_command(args: argparse.Namespace, config: Config) -> int:
         finally:
             reader.close()
     except (QueryFileError, ReadError) as e:
-        print(f"runcap {args.command}: {e}", file=sys.stderr)
+        print(f"runcap {args.command}: {store_error(str(e))}", file=sys.stderr)
         return 1
 
 
@@ -249,7 +246,8 @@ def _run(args: argparse.Namespace, reader: Reader) -> int:
     else:
         raise AssertionError(args.command)
     query = load_query(name)
-    columns, rows = reader.query(query.sql, bind(query, given, reader))
+    options = {k: f"--{k}" for k in ("task", "status", "limit", "since")} if args.command == "runs" else {}
+    columns, rows = reader.query(query.sql, bind(query, given, reader, options))
     title = None
     if args.command == "run":
         if not rows:

@@ -91,7 +91,9 @@ def _http(config: Config, args: argparse.Namespace, resolution: dict[str, Any] |
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        raise _Failed(f"HTTP {e.code}: {e.read().decode('utf-8', 'replace')}") from None
+        from proxy.clierrors import http_error
+
+        raise _Failed(http_error(e.code, e.read().decode("utf-8", "replace"))) from None
     except urllib.error.URLError as e:
         raise _Failed(
             f"cannot reach runcap at {base}: {e.reason} (is `runcap serve` running? use --url, or "

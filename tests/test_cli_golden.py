@@ -58,87 +58,296 @@ def night() -> tuple[list[Span], list[RunSnapshot]]:
 
     r = "ticket-4711"
     model = {"provider": "openai", "model": "gpt-4o", "endpoint": "chat", "task": "refunds"}
-    span(r, "model", 1, 0, **model, duration_ms=812.4, status_code=200, input_tokens=1200, output_tokens=80,
-         cost_usd=Decimal("0.003800000"), request_hash="a1" * 32, response_hash="b1" * 32)
-    span(r, "tool_call", 1, 0.9, **model, status_code=200, tool_name="refund", tool_call_id="call_1",
-         args_hash=REFUND_HASH)
-    span(r, "tool", 1, 1.2, task="refunds", endpoint="POST", status_code=200, duration_ms=140.0,
-         tool_name="refund", args_hash=REFUND_HASH, result_hash="c1" * 32, idempotency_key="k" * 32,
-         attributes={"tool.reached": "true"})
-    span(r, "model", 2, 2, **model, duration_ms=905.0, status_code=200, input_tokens=1450, output_tokens=60,
-         cost_usd=Decimal("0.004225000"))
-    span(r, "tool_call", 2, 2.9, **model, status_code=200, tool_name="refund", tool_call_id="call_2",
-         args_hash=REFUND_HASH)
-    span(r, "tool", 2, 3.1, task="refunds", endpoint="POST", status_code=200, duration_ms=2.1,
-         tool_name="refund", args_hash=REFUND_HASH, result_hash="c1" * 32, idempotency_key="k" * 32,
-         outcome="replayed", attributes={"tool.reached": "false"})
-    span(r, "model", 3, 4, **model, duration_ms=30.5, status_code=502, outcome="error",
-         error="upstream 'openai' (https://api.openai.com) failed: ClientConnectorError",
-         attributes={"step.counted": "false", "upstream.failures": "1"})
-    span(r, "model", 3, 5, **model, duration_ms=700.0, status_code=200, input_tokens=1500, output_tokens=40,
-         cost_usd=Decimal("0.004150000"))
-    span(r, "caps_change", 3, 60, task="refunds", endpoint="POST /runs/{id}/caps", status_code=200,
-         attributes={"caps.by": "alice", "caps.reason": "customer escalation",
-                     "caps.old": '{"max_usd":"0.020000000","max_tokens":null,"max_steps":6,'
-                                 '"max_tool_calls":null,"deadline":null}',
-                     "caps.new": '{"max_usd":"0.030000000","max_tokens":null,"max_steps":8,'
-                                 '"max_tool_calls":null,"deadline":null}'})
-    span(r, "model", 4, 61, **model, duration_ms=1500.0, status_code=200, outcome="cancelled",
-         error="run ticket-4711 was cancelled during the call to upstream 'openai'; the call was aborted",
-         input_tokens=55, output_tokens=1600, cost_usd=Decimal("0.016137500"),
-         attributes={"usage.input": "reserved", "usage.output": "reserved",
-                     "usage.seen_input_tokens": "0", "usage.seen_output_tokens": "0"})
-    span(r, "model", 5, 62, **model, duration_ms=1.2, status_code=402, outcome="budget_exceeded",
-         error="X-Run-Max-Usd: run ticket-4711 has $0.001687500 left of its $0.030000000 cap; this call "
-               "needs at least $0.004000000. The run is out of budget: end it or start a new run.")
+    span(
+        r,
+        "model",
+        1,
+        0,
+        **model,
+        duration_ms=812.4,
+        status_code=200,
+        input_tokens=1200,
+        output_tokens=80,
+        cost_usd=Decimal("0.003800000"),
+        request_hash="a1" * 32,
+        response_hash="b1" * 32,
+    )
+    span(
+        r,
+        "tool_call",
+        1,
+        0.9,
+        **model,
+        status_code=200,
+        tool_name="refund",
+        tool_call_id="call_1",
+        args_hash=REFUND_HASH,
+    )
+    span(
+        r,
+        "tool",
+        1,
+        1.2,
+        task="refunds",
+        endpoint="POST",
+        status_code=200,
+        duration_ms=140.0,
+        tool_name="refund",
+        args_hash=REFUND_HASH,
+        result_hash="c1" * 32,
+        idempotency_key="k" * 32,
+        attributes={"tool.reached": "true"},
+    )
+    span(
+        r,
+        "model",
+        2,
+        2,
+        **model,
+        duration_ms=905.0,
+        status_code=200,
+        input_tokens=1450,
+        output_tokens=60,
+        cost_usd=Decimal("0.004225000"),
+    )
+    span(
+        r,
+        "tool_call",
+        2,
+        2.9,
+        **model,
+        status_code=200,
+        tool_name="refund",
+        tool_call_id="call_2",
+        args_hash=REFUND_HASH,
+    )
+    span(
+        r,
+        "tool",
+        2,
+        3.1,
+        task="refunds",
+        endpoint="POST",
+        status_code=200,
+        duration_ms=2.1,
+        tool_name="refund",
+        args_hash=REFUND_HASH,
+        result_hash="c1" * 32,
+        idempotency_key="k" * 32,
+        outcome="replayed",
+        attributes={"tool.reached": "false"},
+    )
+    span(
+        r,
+        "model",
+        3,
+        4,
+        **model,
+        duration_ms=30.5,
+        status_code=502,
+        outcome="error",
+        error="upstream 'openai' (https://api.openai.com) failed: ClientConnectorError",
+        attributes={"step.counted": "false", "upstream.failures": "1"},
+    )
+    span(
+        r,
+        "model",
+        3,
+        5,
+        **model,
+        duration_ms=700.0,
+        status_code=200,
+        input_tokens=1500,
+        output_tokens=40,
+        cost_usd=Decimal("0.004150000"),
+    )
+    span(
+        r,
+        "caps_change",
+        3,
+        60,
+        task="refunds",
+        endpoint="POST /runs/{id}/caps",
+        status_code=200,
+        attributes={
+            "caps.by": "alice",
+            "caps.reason": "customer escalation",
+            "caps.old": '{"max_usd":"0.020000000","max_tokens":null,"max_steps":6,'
+            '"max_tool_calls":null,"deadline":null}',
+            "caps.new": '{"max_usd":"0.030000000","max_tokens":null,"max_steps":8,'
+            '"max_tool_calls":null,"deadline":null}',
+        },
+    )
+    span(
+        r,
+        "model",
+        4,
+        61,
+        **model,
+        duration_ms=1500.0,
+        status_code=200,
+        outcome="cancelled",
+        error="run ticket-4711 was cancelled during the call to upstream 'openai'; the call was aborted",
+        input_tokens=55,
+        output_tokens=1600,
+        cost_usd=Decimal("0.016137500"),
+        attributes={
+            "usage.input": "reserved",
+            "usage.output": "reserved",
+            "usage.seen_input_tokens": "0",
+            "usage.seen_output_tokens": "0",
+        },
+    )
+    span(
+        r,
+        "model",
+        5,
+        62,
+        **model,
+        duration_ms=1.2,
+        status_code=402,
+        outcome="budget_exceeded",
+        error="X-Run-Max-Usd: run ticket-4711 has $0.001687500 left of its $0.030000000 cap; this call "
+        "needs at least $0.004000000. The run is out of budget: end it or start a new run.",
+    )
 
     r = "ticket-4712"
-    span(r, "tool", 0, 100, task="refunds", endpoint="POST", status_code=504, duration_ms=30001.0,
-         tool_name="slow_refund", args_hash=SLOW_HASH, idempotency_key="u" * 32, outcome="unknown",
-         error="tool 'slow_refund' did not answer within its timeout_s = 30 s; the call was aborted and may "
-               "or may not have taken effect — a repeat gets 409 until it is reconciled",
-         attributes={"tool.reached": "unknown"})
-    span(r, "tool", 0, 140, task="refunds", endpoint="POST", status_code=409, duration_ms=1.0,
-         tool_name="slow_refund", args_hash=SLOW_HASH, idempotency_key="u" * 32, outcome="unknown",
-         error="tool call uuuu (slow_refund) of run ticket-4712 was interrupted (tool timeout) and may or "
-               "may not have taken effect; it will not be executed again until an operator resolves it",
-         attributes={"tool.reached": "false"})
+    span(
+        r,
+        "tool",
+        0,
+        100,
+        task="refunds",
+        endpoint="POST",
+        status_code=504,
+        duration_ms=30001.0,
+        tool_name="slow_refund",
+        args_hash=SLOW_HASH,
+        idempotency_key="u" * 32,
+        outcome="unknown",
+        error="tool 'slow_refund' did not answer within its timeout_s = 30 s; the call was aborted and may "
+        "or may not have taken effect — a repeat gets 409 until it is reconciled",
+        attributes={"tool.reached": "unknown"},
+    )
+    span(
+        r,
+        "tool",
+        0,
+        140,
+        task="refunds",
+        endpoint="POST",
+        status_code=409,
+        duration_ms=1.0,
+        tool_name="slow_refund",
+        args_hash=SLOW_HASH,
+        idempotency_key="u" * 32,
+        outcome="unknown",
+        error="tool call uuuu (slow_refund) of run ticket-4712 was interrupted (tool timeout) and may or "
+        "may not have taken effect; it will not be executed again until an operator resolves it",
+        attributes={"tool.reached": "false"},
+    )
 
     r = "poller-7"
     for i in range(4):
-        span(r, "tool", 0, 200 + i * 0.4, endpoint="GET", status_code=200, duration_ms=80.0 + i,
-             tool_name="search", args_hash=SEARCH_HASH, result_hash="d1" * 32,
-             attributes={"tool.reached": "true"})
+        span(
+            r,
+            "tool",
+            0,
+            200 + i * 0.4,
+            endpoint="GET",
+            status_code=200,
+            duration_ms=80.0 + i,
+            tool_name="search",
+            args_hash=SEARCH_HASH,
+            result_hash="d1" * 32,
+            attributes={"tool.reached": "true"},
+        )
 
     r = "digest-31"
-    local = {"provider": "local", "model": "my-finetune", "endpoint": "chat", "task": "summarize",
-             "price_known": False}
+    local = {
+        "provider": "local",
+        "model": "my-finetune",
+        "endpoint": "chat",
+        "task": "summarize",
+        "price_known": False,
+    }
     for step, tokens in enumerate((900, 2400, 5100, 9800), start=1):
-        span(r, "model", step, 300 + step * 10, **local, duration_ms=2000.0 + step, status_code=200,
-             input_tokens=tokens, output_tokens=300,
-             attributes={"context.tokens": str(tokens), "context.growth": f"{tokens / 900:.3f}",
-                         "context.tool_output_share": "0.6100"})
+        span(
+            r,
+            "model",
+            step,
+            300 + step * 10,
+            **local,
+            duration_ms=2000.0 + step,
+            status_code=200,
+            input_tokens=tokens,
+            output_tokens=300,
+            attributes={
+                "context.tokens": str(tokens),
+                "context.growth": f"{tokens / 900:.3f}",
+                "context.tool_output_share": "0.6100",
+            },
+        )
 
     runs: list[RunSnapshot] = []
 
     def run(run_id: str, task: str, status: str, t: float, **kw: Any) -> None:
-        fields: dict[str, Any] = dict(steps=0, tool_calls=0, input_tokens=0, output_tokens=0,
-                                      cost_usd=Decimal(0), max_usd=None, max_tokens=None, max_steps=None,
-                                      max_tool_calls=None, deadline=None)
+        fields: dict[str, Any] = dict(
+            steps=0,
+            tool_calls=0,
+            input_tokens=0,
+            output_tokens=0,
+            cost_usd=Decimal(0),
+            max_usd=None,
+            max_tokens=None,
+            max_steps=None,
+            max_tool_calls=None,
+            deadline=None,
+        )
         fields.update(kw)
-        runs.append(RunSnapshot(run_id=run_id, task=task, started_at=at(0), updated_at=at(t), status=status,
-                                **fields))
+        runs.append(
+            RunSnapshot(run_id=run_id, task=task, started_at=at(0), updated_at=at(t), status=status, **fields)
+        )
 
-    run("ticket-4711", "refunds", "budget_exceeded", 62, steps=4, tool_calls=2, input_tokens=4205,
-        output_tokens=1780, cost_usd=Decimal("0.028312500"), max_usd=Decimal("0.03"), max_steps=8)
+    run(
+        "ticket-4711",
+        "refunds",
+        "budget_exceeded",
+        62,
+        steps=4,
+        tool_calls=2,
+        input_tokens=4205,
+        output_tokens=1780,
+        cost_usd=Decimal("0.028312500"),
+        max_usd=Decimal("0.03"),
+        max_steps=8,
+    )
     run("ticket-4712", "refunds", "active", 140, tool_calls=2)
     run("poller-7", "", "active", 202, tool_calls=4)
-    run("digest-31", "summarize", "steps_exceeded", 340, steps=4, input_tokens=18200, output_tokens=1200,
-        max_steps=4)
+    run(
+        "digest-31",
+        "summarize",
+        "steps_exceeded",
+        340,
+        steps=4,
+        input_tokens=18200,
+        output_tokens=1200,
+        max_steps=4,
+    )
     for i, steps in enumerate((3, 4, 4, 6, 9)):
-        run(f"ticket-46{i:02d}", "refunds", "completed", 400 + i, steps=steps, tool_calls=steps - 1,
-            input_tokens=1000 * steps, output_tokens=60 * steps,
-            cost_usd=Decimal("0.0032") * steps, max_usd=Decimal("0.05"), max_steps=10)
+        run(
+            f"ticket-46{i:02d}",
+            "refunds",
+            "completed",
+            400 + i,
+            steps=steps,
+            tool_calls=steps - 1,
+            input_tokens=1000 * steps,
+            output_tokens=60 * steps,
+            cost_usd=Decimal("0.0032") * steps,
+            max_usd=Decimal("0.05"),
+            max_steps=10,
+        )
     return s, runs
 
 
