@@ -89,6 +89,13 @@ class RunRequest:
     idempotency_key: str | None = None
 
 
+def claimed_run_id(headers: Mapping[str, str]) -> str | None:
+    """The request's X-Run-Id when it is a valid run id — also when another run header was bad
+    and the request refused (the access log names the run it was for); None otherwise."""
+    run_id = headers.get("X-Run-Id")
+    return run_id if run_id is not None and RUN_ID_RE.match(run_id) else None
+
+
 def parse_run_headers(
     headers: Mapping[str, str],
     config: CapsConfig,

@@ -533,7 +533,10 @@ class MCPGateway(ToolRoute):
             self.metrics.rejections.labels(rej.code or rej.type).inc()
             await reply.message(refusal(rid, rej), self._answer_headers(run, call))
         finally:
-            record_tool_call(self.recorder, self.metrics, call, endpoint="tools/call", metric_label=label)
+            access = ("POST", f"/mcp/{server.name}", run.run_id) if self.config.log_requests else None
+            record_tool_call(
+                self.recorder, self.metrics, call, endpoint="tools/call", metric_label=label, access=access
+            )
 
     def _answer_headers(self, run: RunRequest, call: ToolCall) -> dict[str, str]:
         headers = (

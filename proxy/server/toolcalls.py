@@ -21,6 +21,7 @@ from proxy.caps import RunRequest
 from proxy.config import Config
 from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, ToolTimeout
 from proxy.ledger.base import Ledger, RunState, ToolCallRequest, ToolCallStart
+from proxy.server.accesslog import log_tool_call
 from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
@@ -228,11 +229,22 @@ class ToolCallLedger:
 
 
 def record_tool_call(
-    recorder: SpanRecorder, metrics: Metrics, call: ToolCall, *, endpoint: str, metric_label: str
-) -> None:
+    recorder: SpanRecorder, metrics: Metrics, call: ToolCall, *, endpoint: str, metric_label: str,
+    access: tuple[str, str, str | None] | None = None,
+) -> None:  # fmt: skip
     """Count the call and hand its `tool` span, the run's new state and the bodies kept to the
-    recorder: one step, one record."""
+    recorder: one step, one record. `access`: (method, path, the run id the request claimed) for
+    the access log line, when `log_requests` is on."""
     metrics.tool_calls.labels(metric_label, call.outcome).inc()
+    if access is not None:
+        method, path, claimed = access
+        log_tool_call(
+            run_id=call.run.run_id if call.run is not None else claimed,
+            step=call.state.steps if call.state is not None else 0, method=method, path=path,
+            tool=call.tool, status=call.status, outcome=call.outcome,
+            duration_ms=(time.perf_counter() - call.started) * 1000.0, idempotency_key=call.key,
+            error=call.error, mcp_server=call.attributes.get("mcp.server", ""),
+        )  # fmt: skip
     if call.run is None:
         return
     try:
