@@ -325,4 +325,16 @@ def _serve_one(config: Config, reuse_port: bool, worker: int | None, parent_pid:
     # Header and body deadlines, idle keep-alive, connections per client (server/connections.py).
     guard = ConnectionGuard(ConnectionLimits.from_config(config))
     app[RUNTIME].metrics.watch_connections(guard)
+
+    async def draining(app: web.Application) -> None:
+        # A SIGTERM or Ctrl-C: the one line that says shutdown began (the shipper's "shipper
+        # drained" line says when it is done, and what is left in the WAL).
+        rt = app[RUNTIME]
+        log.info(
+            '{"event": "draining", "pid": %d, "in_flight_runs": %d, "then": "%s"}',
+            os.getpid(), len(rt.flights.run_ids()),
+            "the span shipper drains the WAL" if config.tracing else "exit",
+        )  # fmt: skip
+
+    app.on_shutdown.append(draining)
     run_guarded(app, sock, guard, keepalive_timeout_s=config.keepalive_timeout_s, shutdown_timeout_s=10)
