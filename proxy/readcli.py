@@ -143,7 +143,48 @@ class DirectReader:
         self._store.close()
 
 
+# A `runcap serve` that is starting (its span shipper not up yet) is waited for this long.
+STARTING_WAIT_S = 10.0
+
+
+def serve_running(data_dir: Path) -> bool:
+    """Whether a `runcap serve` holds `data_dir` (its serve.lock, proxy/cli.py)."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(Path(data_dir) / "serve.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return False
+
+
 def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:
+    """The first place that answers (see the module docstring). While a `runcap serve` of the
+    data directory is starting — it holds the directory, its shipper does not answer yet — the
+    attempts are repeated for up to STARTING_WAIT_S instead of failing at once."""
+    import time
+
+    deadline = time.monotonic() + STARTING_WAIT_S
+    while True:
+        try:
+            return _open_reader(config, url, data_dir_given)
+        except ReadError as e:
+            starting = isinstance(e, StoreUnreachable) or "span_store_unavailable" in str(e) or (
+                "shipper" in str(e) and "HTTP 503" in str(e)
+            )
+            if url or not starting or time.monotonic() > deadline or not serve_running(config.data_dir):
+                raise
+            time.sleep(0.25)
+
+
+def _open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:
     token = cli_admin_token(config.admin_token, config.data_dir)
     if config.clickhouse_url:
         return DirectReader(config)
@@ -168,7 +209,7 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
             attempts.append(str(e))
         except ReadError:  # it answered, but refused (e.g. 401: http_error says what to do)
             raise
-    raise ReadError(
+    raise StoreUnreachable(
         "cannot read the span store: "
         + "; ".join(attempts)
         + ". Start `runcap serve`, pass --url of a running runcap, --data-dir of its data directory, "

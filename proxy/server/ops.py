@@ -106,7 +106,8 @@ class OpsRoutes:
 
     async def readyz(self, request: web.Request) -> web.Response:
         """Ready when the ledger accepts a write within a short timeout (the guarded ledger's
-        `ping`): otherwise 503, naming the backend and why (unreachable, timed out, disk full)."""
+        `ping`) and, with tracing on, the span shipper answers on its socket (the read commands
+        and /admin/sql go through it): otherwise 503, naming what is not ready and why."""
         name = self.ledger.name
         try:
             await self.ledger.ping()
@@ -116,6 +117,14 @@ class OpsRoutes:
         except Exception as e:
             body = {"status": "unavailable", "ledger": name, "reason": "ledger_error", "error": str(e)}
             return _json(body, 503)
+        if self.span_store is not None:
+            try:
+                await self.span_store.stats(timeout_s=1.0)
+            except ShipperUnavailable as e:
+                body = {"status": "unavailable", "ledger": name, "shipper": "unavailable",
+                        "reason": "shipper_starting_or_down", "error": str(e)}  # fmt: skip
+                return _json(body, 503, {"Retry-After": "1"})
+            return _json({"status": "ready", "ledger": name, "shipper": "ready"})
         return _json({"status": "ready", "ledger": name})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
