@@ -209,8 +209,10 @@ def _task_cap(header, task_cap, ceiling, otherwise):  # type: ignore[no-untyped-
 def _usd(raw: str | None) -> int | None:
     if raw is None:
         return None
+    # A plain decimal, as the message says: no exponent (1e3), sign, NaN or Infinity.
+    text = raw.strip()
     try:
-        d = Decimal(raw.strip())
+        d = Decimal(text) if _PLAIN_DECIMAL.fullmatch(text) else Decimal("NaN")
     except InvalidOperation:
         d = Decimal("NaN")
     if not d.is_finite() or d < 0 or d > Decimal(1_000_000_000):
@@ -219,6 +221,9 @@ def _usd(raw: str | None) -> int | None:
             param="X-Run-Max-Usd",
         )
     return usd_to_nanos(d)
+
+
+_PLAIN_DECIMAL = re.compile(r"[0-9]+(\.[0-9]+)?|\.[0-9]+")
 
 
 def _count(raw: str | None, header: str) -> int | None:

@@ -48,10 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="A scripted, offline OpenAI/Anthropic upstream (chat, responses, completions, "
         "embeddings, messages; streaming and not) for testing agents without a provider. Example "
         "script: examples/scripts/refund.toml.",
-        epilog=_module_doc("proxy.scripted_upstream"),
+        # The module's docstring for the user: what it speaks and the script format, without the
+        # paragraph on what it records for runcap's own tests.
+        epilog=_module_doc("proxy.scripted_upstream").split("\nFor tests,")[0].rstrip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--listen", default="127.0.0.1:9100", help="HOST:PORT (default 127.0.0.1:9100)")
+    # Not 9100: the MCP example server (examples/mcp) and the README's [mcp] example use that.
+    p.add_argument("--listen", default="127.0.0.1:8790", help="HOST:PORT (default 127.0.0.1:8790)")
     p.add_argument(
         "--script", help="JSON or TOML file of named scripts (chosen per request by X-Mock-Script)"
     )

@@ -113,7 +113,11 @@ def build_app(
     spans = open_span_system(config, **(span_options or {}))
     metrics.watch_spans(spans)
     rt = Runtime(config, ledger, PriceBook(dict(config.prices)), metrics, Flights(), spans)
-    app = web.Application(client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536})
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        handler_args={"max_field_size": 65536},
+        middlewares=[json_not_found],
+    )
     app[RUNTIME] = rt
 
     guard = AdminGuard(config.admin_token)
@@ -246,6 +250,22 @@ def _install_uvloop() -> None:
     except ImportError:
         return
     uvloop.install()
+
+
+# What a request to no route is told, in runcap's error shape (aiohttp's own is plain text).
+_ROUTES_HINT = (
+    "runcap serves /v1/... and /openai/... (OpenAI), /anthropic/... (Anthropic), /u/{upstream}/..., "
+    "/tools/{name}, /mcp/{name}, /r/{run_id}/..., /runs/{id}, /healthz, /readyz, /metrics, /admin/sql"
+)
+
+
+@web.middleware
+async def json_not_found(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown route (or `/`) is a JSON 404 that says which routes there are."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return NotFound(f"no route {request.path[:200]!r}; {_ROUTES_HINT}", param="path").response("openai")
 
 
 def serve(config: Config) -> None:
