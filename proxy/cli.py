@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", help="who (default: $USER)")
     p.add_argument("--task", help="suggest: only this task")
     p.add_argument("--since", help="suggest: runs updated since (default: 7 days ago)")
+    p.add_argument(
+        "--min-runs", type=int, metavar="N",
+        help="suggest: only for tasks with at least N completed runs (default 5)",
+    )  # fmt: skip
 
     p = sub.add_parser(
         "reconcile",

@@ -503,3 +503,33 @@ def test_golden_reconcile(width: int, ledger_dir: Path, capsys, monkeypatch) -> 
     if os.environ.get("RUNCAP_UPDATE_GOLDEN"):
         path.write_text(out)
     assert out == path.read_text(), f"{path} differs (RUNCAP_UPDATE_GOLDEN=1 rewrites it)"
+
+
+# -- runcap caps suggest ------------------------------------------------------------------------
+
+
+def suggest(reader: StoreReader, *argv: str) -> str:
+    from proxy.capsuggest import caps_suggest
+    from proxy.cli import build_parser
+
+    return caps_suggest(build_parser().parse_args(["caps", "suggest", "--since", SINCE, *argv]), reader)
+
+
+def test_golden_caps_suggest(reader: StoreReader) -> None:
+    """Aligned comments, how many runs each table is based on, and a warning when they are few."""
+    import json
+
+    out = suggest(reader)
+    path = GOLDEN / "caps-suggest.txt"
+    if os.environ.get("RUNCAP_UPDATE_GOLDEN"):
+        path.write_text(out)
+    assert out == path.read_text(), f"{path} differs (RUNCAP_UPDATE_GOLDEN=1 rewrites it)"
+    table = [line for line in out.splitlines() if " = " in line and not line.startswith("#")]
+    assert len({line.index("#") for line in table}) == 1  # the comments line up
+    assert "# based on 5 completed runs — few runs" in out
+    rows = json.loads(suggest(reader, "--json"))
+    assert {(r["task"], r["setting"]) for r in rows} >= {("refunds", "max_steps"), ("refunds", "max_usd")}
+    assert all(r["completed_runs"] == 5 for r in rows)
+    refused = suggest(reader, "--min-runs", "6")
+    assert '[tasks."refunds"]: only 5 completed runs, fewer than --min-runs 6: no suggestion' in refused
+    assert "\n[tasks." not in refused and json.loads(suggest(reader, "--min-runs", "6", "--json")) == []
