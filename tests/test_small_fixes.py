@@ -9,10 +9,13 @@ import sys
 
 import aiohttp
 import pytest
+from mcp.shared.exceptions import MCPError
 
 from proxy import client
+from tests import test_mcp
 from tests.conftest import REPO
 from tests.support.tool_service import ToolService
+from tests.test_mcp import mcp_config, session
 from tests.test_tools import call, tools_config
 
 
@@ -71,3 +74,22 @@ def test_mock_upstream_help_and_port() -> None:
         and "max_in_flight" not in done.stdout
     )
     assert "default 127.0.0.1:8790" in done.stdout and "9100" not in done.stdout
+
+
+servers = test_mcp.servers  # the MCP servers of test_mcp (a module fixture)
+
+
+async def test_an_mcp_tool_never_listed_is_refused_not_forwarded(servers, runcap_factory):  # type: ignore[no-untyped-def]
+    server = servers("stateful-json")
+    rc = await runcap_factory(mcp_config(server))
+    run = "mcp-unknown-tool"
+    async with session(f"{rc.url}/mcp/crm", run) as s:
+        with pytest.raises(MCPError) as err:
+            await s.call_tool("no_such_tool", {"x": 1})
+        assert err.value.code == -32044 and err.value.data["code"] == "unknown_tool"
+        assert not (await s.call_tool("lookup", {"order_id": "Z"})).is_error  # a listed one goes
+    called = [
+        m["name"] for m in server.stats()["messages"]
+        if m["method"] == "tools/call" and m["headers"].get("x-run-id") == run
+    ]  # fmt: skip
+    assert called == ["lookup"]

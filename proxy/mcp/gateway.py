@@ -571,7 +571,14 @@ class MCPGateway(ToolRoute):
         if not isinstance(arguments, dict):
             raise InvalidRequest("tools/call: params.arguments must be an object", param="params.arguments")
         if self.catalog.needs_listing(server, name):
-            await self._list_tools(server, target, headers, meta)
+            listed = await self._list_tools(server, target, headers, meta)
+            if listed and not self.catalog.knows(server.name, name):
+                # The server's whole tools/list does not have it: never forwarded (-32044).
+                raise ToolDenied(
+                    f"tool {name!r} is not one of MCP server {server.name!r}'s tools (its tools/list "
+                    "does not have it); it was not called — call one of the listed tools",
+                    code="unknown_tool",
+                )
         tool = server.tools.get(name)
         side_effects = self.catalog.side_effects(server, name)
         call.attributes["mcp.side_effects"] = "true" if side_effects else "false"
@@ -842,10 +849,10 @@ class MCPGateway(ToolRoute):
 
     async def _list_tools(
         self, server: MCPServerConfig, target: UpstreamTarget, headers: CIMultiDict[str], meta: dict[str, Any]
-    ) -> None:
+    ) -> bool:
         """Learn the server's tools before a call to one runcap has not seen listed: a
         `tools/list` of runcap's own, in the agent's session (best effort; what stays unknown is
-        side-effecting)."""
+        side-effecting). True when the whole listing was read (every page)."""
         out = CIMultiDict(headers)
         for h in ("Mcp-Name", "Idempotency-Key", "Last-Event-ID"):
             out.popall(h, None)
@@ -873,15 +880,16 @@ class MCPGateway(ToolRoute):
                         release_or_drop(upstream)
             except (TimeoutError, aiohttp.ClientError, OSError, ToolResponseTooLarge, EventTooLarge) as e:
                 log.warning("could not list the tools of MCP server %s: %s", server.name, e)
-                return
+                return False
             answer = next((m for m in collected.messages if m.get("id") == rid), None)
             result = answer.get("result") if answer is not None else None
             if not isinstance(result, dict):
-                return
+                return False
             self.catalog.learn(server.name, result)
             cursor = result.get("nextCursor")
             if not cursor:
-                return
+                return True
+        return False
 
     # -- GET (the server's stream) and DELETE (end of a session) ---------------------------------
 
