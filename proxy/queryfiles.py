@@ -198,7 +198,8 @@ def _check_value(query: QueryFile, p: QueryParam, value: str, shown: str) -> Non
     default = p.default.strip("'")
     if choices is not None and value not in choices and value != default:
         also = " (or '' for all)" if p.default == "''" else ""
-        raise QueryFileError(f"{shown}: {value!r} is not one of {', '.join(choices)}{also}")
+        listed = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
+        raise QueryFileError(f"{shown} must be {listed}{also}, not {value!r}")
     kind = _norm(p.type)
     if kind.startswith(("UInt", "Int")):
         if not _INTEGER.fullmatch(value) or (kind.startswith("UInt") and value.startswith("-")):
