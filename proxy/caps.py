@@ -113,6 +113,13 @@ class RunRequest:
     idempotency_key: str | None = None
 
 
+def claimed_run_id(headers: Mapping[str, str]) -> str | None:
+    """The request's X-Run-Id when it is a valid run id — also when another run header was bad
+    and the request refused (the access log names the run it was for); None otherwise."""
+    run_id = headers.get("X-Run-Id")
+    return run_id if run_id is not None and RUN_ID_RE.match(run_id) else None
+
+
 def parse_run_headers(
     headers: Mapping[str, str],
     config: CapsConfig,
@@ -279,6 +286,7 @@ def _usd(raw: str | None) -> int | None:
             param="X-Run-Max-Usd",
         )
     return usd_to_nanos(d)
+
 
 
 def _count(raw: str | None, header: str) -> int | None:

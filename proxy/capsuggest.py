@@ -1,12 +1,16 @@
 """`runcap caps suggest`: per-task caps from the p99 of completed runs, printed as `[tasks."NAME"]`
 TOML ready to paste into runcap.toml — the measurement loop of the `cap_recommendations` query,
 closed. Each suggestion is the p99 with headroom (10 %, rounded up), and says which share of the
-task's runs in the window would have exceeded it.
+task's runs in the window would have exceeded it and how many completed runs it is based on. A
+task with fewer completed runs than `--min-runs` (MIN_RUNS) gets no suggestion — a p99 of two runs
+is their maximum, a 1 s timeout from one run would stop the next — unless asked for; below
+FEW_RUNS the table says the numbers are thin. `--json`: the suggestions as a JSON array.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from decimal import ROUND_UP, Decimal
 from typing import Any
@@ -23,6 +27,8 @@ _KEYS = {
     "wall_clock_s": ("timeout_s", "dateDiff('microsecond', started_at, updated_at) / 1e6"),
 }
 HEADROOM = 1.1
+MIN_RUNS = 5  # completed runs of a task below which nothing is suggested (unless --min-runs)
+FEW_RUNS = 30  # ... below which the suggestion says it is based on few runs
 
 
 def suggested(metric: str, p99: float) -> float | int:
@@ -39,10 +45,11 @@ def suggested(metric: str, p99: float) -> float | int:
 
 def caps_suggest(args: argparse.Namespace, reader: Reader) -> str:
     query = load_query("cap_recommendations")
+    min_runs = MIN_RUNS if getattr(args, "min_runs", None) is None else args.min_runs
     given = {"task": args.task or ""}
     if args.since:
         given["since"] = args.since
-    params = bind(query, given, reader)
+    params = bind(query, given, reader, {"task": "--task", "since": "--since"})
     columns, rows = reader.query(query.sql, params)
     by_task: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -50,29 +57,49 @@ def caps_suggest(args: argparse.Namespace, reader: Reader) -> str:
         if rec["completed_runs"] and rec["p99"] is not None:
             by_task.setdefault(rec["task"], []).append(rec)
     since = params.get("since")
+    suggestions: list[dict[str, Any]] = []
     lines = [
         "# runcap caps suggest: p99 of completed runs + 10 % headroom, per task"
         + (f" (runs updated since {since})" if since else ""),
         "# paste into runcap.toml; headers may lower these caps, [caps] ceilings clamp them",
     ]
     if not by_task:
+        if getattr(args, "json", False):
+            return "[]\n"
         lines.append("# no completed runs in the window: nothing to suggest yet")
         return "\n".join(lines) + "\n"
     for task, recs in sorted(by_task.items()):
         if not task:
             lines.append("\n# runs without X-Run-Task: send a task label to get per-task caps")
             continue
+        completed = max(int(rec["completed_runs"]) for rec in recs)
+        if completed < min_runs:
+            lines.append(
+                f'\n# [tasks."{task}"]: only {completed} completed run{"s" if completed != 1 else ""}, fewer '
+                f"than --min-runs {min_runs}: no suggestion (a p99 of so few runs is their maximum); "
+                f"pass --min-runs {completed} to get one anyway"
+            )
+            continue
         caps = {rec["metric"]: suggested(rec["metric"], float(rec["p99"])) for rec in recs}
         shares = _shares(reader, task, caps, params)
-        lines.append(f'\n[tasks."{task}"]')
-        for rec in recs:
+        few = " — few runs: treat it as a first guess" if completed < FEW_RUNS else ""
+        lines.append(f"\n# based on {completed} completed runs{few}")
+        lines.append(f'[tasks."{task}"]')
+        settings = [f"{_KEYS[rec['metric']][0]} = {caps[rec['metric']]!r}" for rec in recs]
+        width = max(len(s) for s in settings)
+        for setting, rec in zip(settings, recs, strict=True):
             metric = rec["metric"]
-            key, _ = _KEYS[metric]
-            value = caps[metric]
             lines.append(
-                f"{key} = {value!r:<12} # p99 {_num(rec['p99'])} of {rec['completed_runs']} completed runs; "
+                f"{setting:<{width}}  # p99 {_num(rec['p99'])} of {rec['completed_runs']} completed runs; "
                 f"{shares[metric]:.1%} of {rec['runs']} runs would have exceeded it"
             )
+            suggestions.append({
+                "task": task, "setting": _KEYS[metric][0], "value": caps[metric], "metric": metric,
+                "p99": float(rec["p99"]), "completed_runs": int(rec["completed_runs"]),
+                "runs": int(rec["runs"]), "share_exceeding": shares[metric],
+            })  # fmt: skip
+    if getattr(args, "json", False):
+        return json.dumps(suggestions, indent=2) + "\n"
     return "\n".join(lines) + "\n"
 
 

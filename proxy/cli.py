@@ -50,10 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="A scripted, offline OpenAI/Anthropic upstream (chat, responses, completions, "
         "embeddings, messages; streaming and not) for testing agents without a provider. Example "
         "script: examples/scripts/refund.toml.",
-        epilog=_module_doc("proxy.scripted_upstream"),
+        # The module's docstring for the user: what it speaks and the script format, without the
+        # paragraph on what it records for runcap's own tests.
+        epilog=_module_doc("proxy.scripted_upstream").split("\nFor tests,")[0].rstrip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--listen", default="127.0.0.1:9100", help="HOST:PORT (default 127.0.0.1:9100)")
+    # Not 9100: the MCP example server (examples/mcp) and the README's [mcp] example use that.
+    p.add_argument("--listen", default="127.0.0.1:8790", help="HOST:PORT (default 127.0.0.1:8790)")
     p.add_argument(
         "--script", help="JSON or TOML file of named scripts (chosen per request by X-Mock-Script)"
     )
@@ -85,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", help="who (default: $USER)")
     p.add_argument("--task", help="suggest: only this task")
     p.add_argument("--since", help="suggest: runs updated since (default: 7 days ago)")
+    p.add_argument(
+        "--min-runs", type=int, metavar="N",
+        help="suggest: only for tasks with at least N completed runs (default 5)",
+    )  # fmt: skip
 
     p = sub.add_parser(
         "reconcile",
@@ -201,7 +208,15 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         config = load_config(args.config, listen=args.listen, data_dir=args.data_dir, workers=args.workers)
-        holder = _claim_data_dir(config.data_dir, config.listen)
+        try:
+            holder = _claim_data_dir(config.data_dir, config.listen)
+        except OSError as e:
+            print(
+                f"runcap serve: cannot use data directory {config.data_dir}: {e.strerror or e}; "
+                "give a writable directory with --data-dir DIR (or RUNCAP_DATA_DIR, data_dir in the config)",
+                file=sys.stderr,
+            )
+            return 1
         if holder is not None:
             print(
                 f"runcap serve: data directory {config.data_dir} is in use by another runcap serve "
@@ -242,7 +257,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         base = (args.url or f"http://{config.listen}").rstrip("/")
         token = cli_admin_token(config.admin_token, config.data_dir)
         if args.command == "status":
-            return _print_http("GET", f"{base}/runs/{args.run_id}", token, args.json)
+            offline = args.data_dir is not None and args.url is None
+            url = f"{base}/runs/{args.run_id}"
+            code, _ = _call_and_print("GET", url, token, args.json, quiet_unreachable=offline)
+            return _status_offline(config, args) if code == UNREACHABLE else code
         if args.command == "cancel":
             code, answer = _call_and_print("POST", f"{base}/runs/{args.run_id}/cancel", token, args.json)
             return code if code or answer.get("known", True) else _unknown_run(args.run_id)
@@ -250,7 +268,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         if body is None:
             print("runcap caps: name a cap to change (--max-usd, --max-steps, ...)", file=sys.stderr)
             return 2
-        return _print_http("POST", f"{base}/runs/{args.run_id}/caps", token, args.json, body)
+        code, answer = _call_and_print("POST", f"{base}/runs/{args.run_id}/caps", token, args.json, body)
+        if code == 0 and answer.get("status") == "cancelled":
+            print(
+                f"runcap caps: run {args.run_id} is cancelled: its caps were changed, but a cancelled "
+                "run stays cancelled and refuses every call — start a new run to continue",
+                file=sys.stderr,
+            )
+            return 1
+        return code
     raise AssertionError(args.command)
 
 
@@ -318,6 +344,8 @@ def _caps_body(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _caps_suggest(args: argparse.Namespace) -> int:
     from proxy.capsuggest import caps_suggest
+    from proxy.clierrors import store_error
+    from proxy.queryfiles import QueryFileError
     from proxy.readcli import ReadError, open_reader
 
     config = load_config(args.config, data_dir=args.data_dir)
@@ -327,8 +355,8 @@ def _caps_suggest(args: argparse.Namespace) -> int:
             print(caps_suggest(args, reader), end="")
         finally:
             reader.close()
-    except ReadError as e:
-        print(f"runcap caps suggest: {e}", file=sys.stderr)
+    except (ReadError, QueryFileError) as e:
+        print(f"runcap caps suggest: {store_error(str(e))}", file=sys.stderr)
         return 1
     return 0
 
@@ -340,10 +368,47 @@ def _print_http(
     return code
 
 
+UNREACHABLE = -1  # _call_and_print(quiet_unreachable=True): nothing answered, nothing printed
+
+
+def _status_offline(config: Any, args: argparse.Namespace) -> int:
+    """`runcap status --data-dir DIR` with no server running: the run as the ledger holds it (the
+    SQLite file of DIR, or Redis when RUNCAP_REDIS_URL is set), as `GET /runs/{id}` shows it."""
+    import asyncio
+    import time
+
+    from proxy.server.app import open_ledger
+    from proxy.server.ops import run_json
+
+    async def read() -> Any:
+        ledger = open_ledger(config)
+        try:
+            return await ledger.get_run(args.run_id)
+        finally:
+            await ledger.close()
+
+    try:
+        state = asyncio.run(read())
+    except Exception as e:  # the ledger's own failure (Redis down, a locked file): one line
+        print(f"runcap status: cannot read the ledger of {config.data_dir}: {e}", file=sys.stderr)
+        return 1
+    if state is None:
+        print(f"runcap status: no run {args.run_id!r} in the ledger of {config.data_dir}", file=sys.stderr)
+        return 1
+    data = run_json(state, time.time())
+    if args.json:
+        print(json.dumps([data], indent=2))
+    else:
+        _print_mapping(data)
+    return 0
+
+
 def _call_and_print(
-    method: str, url: str, token: str | None, as_json: bool, body: dict[str, Any] | None = None
-) -> tuple[int, dict[str, Any]]:
-    """One admin call: print the answer (a table, or JSON); (exit code, answer)."""
+    method: str, url: str, token: str | None, as_json: bool, body: dict[str, Any] | None = None,
+    *, quiet_unreachable: bool = False,
+) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    """One admin call: print the answer (a table, or JSON); (exit code, answer). Nothing answering
+    is `UNREACHABLE`, unprinted, with `quiet_unreachable`."""
     data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
     req = urllib.request.Request(url, method=method, data=data)
     if body is not None:
@@ -354,12 +419,19 @@ def _call_and_print(
         with admin_http.urlopen(req, timeout=30) as resp:
             data = json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        text = e.read().decode("utf-8", "replace")
-        print(f"runcap: {method} {url}: HTTP {e.code}: {text}", file=sys.stderr)
+        from proxy.clierrors import http_error
+
+        answer = http_error(e.code, e.read().decode("utf-8", "replace"))
+        print(f"runcap {_verb(url)}: {answer}", file=sys.stderr)
         return 1, {}
     except urllib.error.URLError as e:
+        if quiet_unreachable:
+            return UNREACHABLE, {}
+        verb = _verb(url)
+        also = ", or --data-dir of its data directory to read the ledger" if verb == "status" else ""
         print(
-            f"runcap: cannot reach runcap at {url}: {e.reason} (is `runcap serve` running? use --url)",
+            f"runcap {verb}: cannot reach runcap at {url}: {e.reason} (is `runcap serve` running? "
+            f"use --url{also})",
             file=sys.stderr,
         )
         return 1, {}
@@ -368,6 +440,12 @@ def _call_and_print(
     else:
         _print_mapping(data)
     return 0, data
+
+
+def _verb(url: str) -> str:
+    """The command an admin call's URL belongs to, for its messages."""
+    last = url.rstrip("/").rsplit("/", 1)[-1]
+    return last if last in ("caps", "cancel") else "status"
 
 
 def _unknown_run(run_id: str) -> int:

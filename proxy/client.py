@@ -37,6 +37,7 @@ __all__ = [
     "NON_RETRYABLE_ERROR_TYPES",
     "BudgetExceeded",
     "DeadlineExceeded",
+    "IdempotencyKeyReused",
     "InvalidRunRequest",
     "OutcomeUnknown",
     "RunCancelled",
@@ -233,6 +234,15 @@ class ToolTimeout(OutcomeUnknown):
     type = "tool_timeout"
 
 
+class IdempotencyKeyReused(RuncapRejection):
+    """422: the Idempotency-Key was already used for another operation of the run (another tool,
+    path or arguments); nothing was executed. A retry with the same key is refused again: send a
+    new key (or none)."""
+
+    status = 422
+    type = "idempotency_key_reused"
+
+
 class InvalidRunRequest(RuncapRejection):
     """400: a malformed run header or a body runcap must parse; `param` names it."""
 
@@ -248,6 +258,7 @@ _BY_TYPE: dict[str, type[RuncapRejection]] = {
         RunCancelled,
         OutcomeUnknown,
         ToolTimeout,
+        IdempotencyKeyReused,
         InvalidRunRequest,
     )
 }

@@ -99,6 +99,10 @@ class TaskCaps:
     context_policy: tuple[str, ...] = ()
 
 
+# Upper bound of `caps.max_upstream_failures`: beyond it a provider outage is retried unbounded.
+MAX_UPSTREAM_FAILURES = 1000
+
+
 @dataclass(frozen=True, slots=True)
 class CapsConfig:
     """Operator defaults (used when a header is absent) and ceilings (clamp every header value)."""
@@ -124,6 +128,9 @@ class CapsConfig:
     default_output_tokens: int = 16384
     # A caller's X-Run-Deadline / X-Run-Timeout further out than this is a 400, not a cap.
     max_run_seconds: float = 7 * 24 * 3600.0
+    # Model calls of a run that got no answer (connect error, 408/409/429/5xx, cut before any
+    # output) in a row before its next call is refused (402 max_upstream_failures).
+    max_upstream_failures: int = 5
     tasks: Mapping[str, TaskCaps] = field(default_factory=dict)
 
 
@@ -305,21 +312,26 @@ def build_config(
     if payloads not in PAYLOAD_MODES:
         raise ConfigError(f"payloads: expected one of {', '.join(PAYLOAD_MODES)}, got {payloads!r}")
 
-    clickhouse_url = env.get("RUNCAP_CLICKHOUSE_URL") or raw.get("clickhouse_url") or None
+    # Each message names what the user wrote: the variable when it was set, else the TOML key.
+    clickhouse_url, clickhouse_name = _env_or_key(env, raw, "RUNCAP_CLICKHOUSE_URL", "clickhouse_url")
     if clickhouse_url:
-        _check_url(clickhouse_url, "RUNCAP_CLICKHOUSE_URL", ("http", "https"))
+        _check_url(clickhouse_url, clickhouse_name, ("http", "https"))
     # The reader `/admin/sql` and the read CLI use (a `runcap_reader` user: docs/admin-sql.md).
-    clickhouse_read_url = env.get("RUNCAP_CLICKHOUSE_READ_URL") or raw.get("clickhouse_read_url") or None
+    clickhouse_read_url, read_name = _env_or_key(
+        env, raw, "RUNCAP_CLICKHOUSE_READ_URL", "clickhouse_read_url"
+    )
     if clickhouse_read_url:
         if not clickhouse_url:
-            raise ConfigError("RUNCAP_CLICKHOUSE_READ_URL: needs RUNCAP_CLICKHOUSE_URL (a ClickHouse server)")
-        _check_url(clickhouse_read_url, "RUNCAP_CLICKHOUSE_READ_URL", ("http", "https"))
-    s3_url = env.get("RUNCAP_S3_URL") or raw.get("s3_url") or None
+            raise ConfigError(
+                f"{read_name}: needs RUNCAP_CLICKHOUSE_URL or clickhouse_url (a ClickHouse server)"
+            )
+        _check_url(clickhouse_read_url, read_name, ("http", "https"))
+    s3_url, s3_name = _env_or_key(env, raw, "RUNCAP_S3_URL", "s3_url")
     if s3_url:
-        _check_url(s3_url, "RUNCAP_S3_URL", ("s3",))
-    redis_url = env.get("RUNCAP_REDIS_URL") or raw.get("redis_url") or None
+        _check_url(s3_url, s3_name, ("s3",))
+    redis_url, redis_name = _env_or_key(env, raw, "RUNCAP_REDIS_URL", "redis_url")
     if redis_url:
-        _check_url(redis_url, "RUNCAP_REDIS_URL", ("redis", "rediss", "unix"))
+        _check_url(redis_url, redis_name, ("redis", "rediss", "unix"))
 
     retention = _number(raw, "", "ledger_retention_s", positive=True)
     if retention is not None and retention < 1:
@@ -495,7 +507,9 @@ def parse_listen(value: str, setting: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_s)
 
 
-def _check_url(url: str, setting: str, schemes: tuple[str, ...]) -> None:
+def _check_url(url: Any, setting: str, schemes: tuple[str, ...]) -> None:
+    if not isinstance(url, str):
+        raise ConfigError(f"{setting}: expected a {'/'.join(s + '://' for s in schemes)}... URL, got {url!r}")
     parts = urlsplit(url)
     if parts.scheme not in schemes or not (parts.netloc or parts.scheme == "unix"):
         raise ConfigError(f"{setting}: expected a {'/'.join(s + '://' for s in schemes)}... URL, got {url!r}")
@@ -568,6 +582,14 @@ def _seconds(section: Mapping[str, Any], key: str, default: float) -> float:
     if value > 86400:
         raise ConfigError(f"{key}: expected a number of seconds > 0 and ≤ 86400, got {section[key]!r}")
     return float(value)
+
+
+def _env_or_key(env: Mapping[str, str], raw: Mapping[str, Any], var: str, key: str) -> tuple[Any, str]:
+    """A setting the environment overrides: its value (None: not set) and the name the user wrote
+    it under — the variable when it is set, else the TOML key — for messages about it."""
+    if env.get(var):
+        return env[var], var
+    return raw.get(key) or None, key
 
 
 def _join(where: str, key: str) -> str:
@@ -811,7 +833,10 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
         f"{kind}_{cap}"
         for kind in ("default", "ceiling")
         for cap in ("max_usd", "max_tokens", "max_steps", "max_tool_calls", "timeout_s", "max_context_tokens")
-    } | {"allow_unpriced", "min_output_tokens", "default_output_tokens", "max_run_seconds"}
+    } | {
+        "allow_unpriced", "min_output_tokens", "default_output_tokens", "max_run_seconds",
+        "max_upstream_failures",
+    }  # fmt: skip
     _only(section, where, allowed)
     values: dict[str, Any] = {}
     for kind in ("default", "ceiling"):
@@ -826,6 +851,13 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
     values["default_output_tokens"] = _int(section, where, "default_output_tokens", minimum=1, default=16384)
     max_run = _number(section, where, "max_run_seconds", positive=True)
     values["max_run_seconds"] = float(max_run) if max_run is not None else 7 * 24 * 3600.0
+    failures = _int(section, where, "max_upstream_failures", minimum=1, default=5)
+    if failures > MAX_UPSTREAM_FAILURES:
+        raise ConfigError(
+            f"caps.max_upstream_failures: expected a whole number from 1 to {MAX_UPSTREAM_FAILURES}, "
+            f"got {failures!r}"
+        )
+    values["max_upstream_failures"] = failures
     for kind in ("default", "ceiling"):
         timeout = values[f"{kind}_timeout_s"]
         if timeout is not None and timeout > values["max_run_seconds"]:

@@ -69,6 +69,7 @@ class BudgetExceeded(Rejection):
         "max_tokens": "budget_exceeded",
         "max_steps": "steps_exceeded",
         "max_tool_calls": "tool_calls_exceeded",
+        "max_upstream_failures": "budget_exceeded",
     }
 
     def __init__(self, code: str, message: str) -> None:

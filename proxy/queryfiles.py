@@ -8,6 +8,16 @@ parameter, one per line:
 
     -- @param NAME TYPE = DEFAULT  -- description
 
+and may say which of its columns answer the question, most important first — what a terminal
+table keeps when it is too narrow for all of them (`runcap query` at 80 columns):
+
+    -- @priority COLUMN COLUMN ...
+
+and may list the values a parameter takes (anything else is refused before the query runs, with
+a message naming the parameter; its default is always allowed):
+
+    -- @choices NAME VALUE VALUE ...
+
 TYPE is the ClickHouse type used in the SQL (`{NAME:TYPE}`); DEFAULT is a ClickHouse expression
 (`''`, `20`, `now() - INTERVAL 24 HOUR`). `runcap query` evaluates the defaults of the parameters
 not given on the command line in one `SELECT toString(CAST((DEFAULT) AS TYPE)), ...` on the same
@@ -21,7 +31,7 @@ as package data under `proxy/sql/` (pyproject.toml `[tool.setuptools.package-dat
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +40,8 @@ _PARAM_LINE = re.compile(
     r"^--\s*@param\s+(?P<name>\w+)\s+(?P<type>.+?)\s+=\s+(?P<default>.+?)(?:\s+--\s+(?P<doc>.*))?$"
 )
 _USED_PARAM = re.compile(r"\{(\w+):([^{}]+)\}")
+_PRIORITY_LINE = re.compile(r"^--\s*@priority\s+(?P<columns>.+)$")
+_CHOICES_LINE = re.compile(r"^--\s*@choices\s+(?P<name>\w+)\s+(?P<values>.+)$")
 _TITLE = re.compile(r"^--\s*(?P<name>[\w-]+):\s*(?P<question>.*)$")
 
 
@@ -52,6 +64,10 @@ class QueryFile:
     sql: str  # the whole file, comments included: it runs as is
     question: str  # the header's first paragraph
     params: tuple[QueryParam, ...]
+    # The columns that answer the question, most important first (`-- @priority`); () = none said.
+    priority: tuple[str, ...] = ()
+    # The values a parameter takes (`-- @choices`), by parameter; absent: any value of its type.
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def param(self, name: str) -> QueryParam | None:
         return next((p for p in self.params if p.name == name), None)
@@ -86,6 +102,8 @@ def load_query(name: str, directory: Path | None = None) -> QueryFile:
 
 def parse_query(name: str, sql: str, path: Path) -> QueryFile:
     params: list[QueryParam] = []
+    priority: list[str] = []
+    choices: dict[str, tuple[str, ...]] = {}
     question: list[str] = []
     in_title = False
     for line in sql.splitlines():
@@ -101,6 +119,10 @@ def parse_query(name: str, sql: str, path: Path) -> QueryFile:
             in_title = bool(text) and not text.startswith("@param")  # the paragraph ends at a blank
             if in_title:
                 question.append(text)
+        if (p := _PRIORITY_LINE.match(stripped)) is not None:
+            priority.extend(p["columns"].split())
+        if (c := _CHOICES_LINE.match(stripped)) is not None:
+            choices[c["name"]] = tuple(c["values"].split())
         if "@param" in stripped:
             m = _PARAM_LINE.match(stripped)
             if m is None:
@@ -119,19 +141,32 @@ def parse_query(name: str, sql: str, path: Path) -> QueryFile:
             )
         if _norm(p.type) != _norm(used_type):
             raise QueryFileError(f"{path}: parameter {used} is declared {p.type} but used as {used_type}")
-    return QueryFile(name, path, sql, " ".join(question), tuple(params))
+    for choice in choices:
+        if choice not in declared:
+            raise QueryFileError(f"{path}: @choices {choice}: no such parameter")
+    return QueryFile(name, path, sql, " ".join(question), tuple(params), tuple(priority), choices)
 
 
-def bind(query: QueryFile, given: dict[str, str], reader: SqlReader) -> dict[str, str]:
+def bind(
+    query: QueryFile, given: dict[str, str], reader: SqlReader, names: dict[str, str] | None = None
+) -> dict[str, str]:
     """Every parameter of `query`: the given ones as they are, the others from their defaults,
     evaluated by ClickHouse and returned as its text form of the declared type. Given date-times
-    are read leniently (`2026-01-02`, `2026-01-02T03:04:05Z`, ...; UTC unless they say otherwise)."""
+    are read leniently (`2026-01-02`, `2026-01-02T03:04:05Z`, ...; UTC unless they say otherwise).
+
+    A given value that does not fit its parameter — not one of its `@choices`, not a number for a
+    number, not a date-time for a date-time — is a `QueryFileError` naming it as the user gave it
+    (`names`: parameter → a command's own option, e.g. `--since`; else `--param NAME`), before
+    the query runs."""
     unknown = sorted(set(given) - {p.name for p in query.params})
     if unknown:
         declared = ", ".join(p.name for p in query.params) or "none"
         raise QueryFileError(
             f"query {query.name} has no parameter {', '.join(unknown)} (its parameters: {declared})"
         )
+    for p in query.params:
+        if p.name in given:
+            _check_value(query, p, given[p.name], (names or {}).get(p.name) or f"--param {p.name}")
     values = dict(given)
     exprs: dict[str, str] = {}
     raw: dict[str, str] = {}
@@ -145,9 +180,49 @@ def bind(query: QueryFile, given: dict[str, str], reader: SqlReader) -> dict[str
             )
     if exprs:
         select = ", ".join(f"{expr} AS `{name}`" for name, expr in exprs.items())
-        _, rows = reader.query(f"SELECT {select}", raw or None)
+        try:
+            _, rows = reader.query(f"SELECT {select}", raw or None)
+        except Exception:
+            _name_bad_date(query, raw, reader, names or {})
+            raise
         values.update(zip(exprs, rows[0], strict=True))
     return {p.name: values[p.name] for p in query.params}
+
+
+_INTEGER = re.compile(r"-?[0-9]+")
+DATE_EXAMPLES = "2026-01-01, '2026-01-01 00:00:00' or 2026-01-01T00:00:00Z (UTC unless it says otherwise)"
+
+
+def _check_value(query: QueryFile, p: QueryParam, value: str, shown: str) -> None:
+    choices = query.choices.get(p.name)
+    default = p.default.strip("'")
+    if choices is not None and value not in choices and value != default:
+        also = " (or '' for all)" if p.default == "''" else ""
+        listed = ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
+        raise QueryFileError(f"{shown} must be {listed}{also}, not {value!r}")
+    kind = _norm(p.type)
+    if kind.startswith(("UInt", "Int")):
+        if not _INTEGER.fullmatch(value) or (kind.startswith("UInt") and value.startswith("-")):
+            raise QueryFileError(f"{shown}: expected a whole number ({p.type}), got {value!r}")
+    elif kind.startswith(("Float", "Decimal")):
+        try:
+            float(value)
+        except ValueError:
+            raise QueryFileError(f"{shown}: expected a number ({p.type}), got {value!r}") from None
+
+
+def _name_bad_date(query: QueryFile, raw: dict[str, str], reader: SqlReader, names: dict[str, str]) -> None:
+    """The defaults' SELECT failed: find the given date-time ClickHouse cannot read, and say so
+    (a QueryFileError); return when none is to blame."""
+    for key, value in raw.items():
+        name = key.removeprefix("raw_")
+        try:
+            reader.query("SELECT parseDateTime64BestEffort({v:String}, 6, 'UTC')", {"v": value})
+        except Exception:
+            shown = names.get(name) or f"--param {name}"
+            raise QueryFileError(
+                f"{shown}: {value!r} is not a date-time ClickHouse reads; give e.g. {DATE_EXAMPLES}"
+            ) from None
 
 
 def parse_param_args(pairs: list[str]) -> dict[str, str]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proxy import admin_http
+from proxy.clierrors import http_error, store_error
 from proxy.config import Config
 from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
 from proxy.server.auth import cli_admin_token
@@ -76,12 +77,8 @@ class AdminSqlReader:
             with admin_http.urlopen(req, timeout=self.timeout_s) as resp:
                 answer = json.loads(resp.read())
         except urllib.error.HTTPError as e:
-            text = e.read().decode("utf-8", "replace")
-            try:
-                message = json.loads(text)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = text[:2000]
-            raise ReadError(f"{self.where}: HTTP {e.code}: {message}") from None
+            answer = http_error(e.code, e.read().decode("utf-8", "replace"))
+            raise ReadError(f"{self.where}: {answer}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             reason = getattr(e, "reason", e)
             raise StoreUnreachable(f"no runcap answers at {self.base_url} ({reason})") from None
@@ -147,7 +144,48 @@ class DirectReader:
         self._store.close()
 
 
+# A `runcap serve` that is starting (its span shipper not up yet) is waited for this long.
+STARTING_WAIT_S = 10.0
+
+
+def serve_running(data_dir: Path) -> bool:
+    """Whether a `runcap serve` holds `data_dir` (its serve.lock, proxy/cli.py)."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(Path(data_dir) / "serve.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return False
+
+
 def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:
+    """The first place that answers (see the module docstring). While a `runcap serve` of the
+    data directory is starting — it holds the directory, its shipper does not answer yet — the
+    attempts are repeated for up to STARTING_WAIT_S instead of failing at once."""
+    import time
+
+    deadline = time.monotonic() + STARTING_WAIT_S
+    while True:
+        try:
+            return _open_reader(config, url, data_dir_given)
+        except ReadError as e:
+            starting = isinstance(e, StoreUnreachable) or "span_store_unavailable" in str(e) or (
+                "shipper" in str(e) and "HTTP 503" in str(e)
+            )
+            if url or not starting or time.monotonic() > deadline or not serve_running(config.data_dir):
+                raise
+            time.sleep(0.25)
+
+
+def _open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:
     token = cli_admin_token(config.admin_token, config.data_dir)
     if config.clickhouse_url:
         return DirectReader(config)
@@ -170,9 +208,9 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
             return configured
         except StoreUnreachable as e:
             attempts.append(str(e))
-        except ReadError as e:  # it answered, but refused (e.g. 401): that is the answer
-            raise ReadError(f"{e} (set RUNCAP_ADMIN_TOKEN)" if "401" in str(e) else str(e)) from None
-    raise ReadError(
+        except ReadError:  # it answered, but refused (e.g. 401: http_error says what to do)
+            raise
+    raise StoreUnreachable(
         "cannot read the span store: "
         + "; ".join(attempts)
         + ". Start `runcap serve`, pass --url of a running runcap, --data-dir of its data directory, "
@@ -186,27 +224,27 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
 class TableView:
     """How a terminal shows a query's rows (--json gets every column, as named in the SQL)."""
 
-    show: tuple[str, ...]  # the columns, left to right
-    priority: tuple[str, ...]  # most important first: the last ones are left out first when narrow
+    show: tuple[str, ...]  # the columns, left to right (): all of them, as the SQL names them
+    # Most important first: the last ones are left out first when narrow. (): the query file's
+    # own `-- @priority` (proxy/queryfiles.py), else left to right.
+    priority: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)  # shorter headers for wide-named columns
 
 
 _VIEWS = {
+    # The priority of both is the query file's (queries/runs.sql, queries/run_timeline.sql).
     "runs": TableView(
         show=("run_id", "task", "status", "cap_hit", "steps", "tool_calls", "input_tokens",
               "output_tokens", "cost_usd", "max_usd", "updated_at"),
-        priority=("run_id", "status", "steps", "cost_usd", "cap_hit", "updated_at", "task",
-                  "tool_calls", "max_usd", "input_tokens", "output_tokens"),
+        priority=load_query("runs").priority,
         labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "tool_calls": "tools"},
     ),
     # request_hash / response_hash are the payloads' keys: `runcap payload PREFIX` prints them.
     "run_timeline": TableView(
         show=("started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens", "cost_usd",
               "cumulative_usd", "outcome", "status_code", "duration_ms", "request_hash", "response_hash",
-              "args_hash", "result_hash", "idempotency_key", "error", "context"),
-        priority=("step", "kind", "tool", "outcome", "cost_usd", "status_code", "error", "context",
-                  "request_hash", "response_hash", "input_tokens", "output_tokens", "duration_ms",
-                  "started_at", "model", "cumulative_usd", "idempotency_key", "args_hash", "result_hash"),
+              "args_hash", "result_hash", "idempotency_key", "detail", "context"),
+        priority=load_query("run_timeline").priority,
         labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "status_code": "status",
                 "duration_ms": "ms", "cumulative_usd": "total_usd", "request_hash": "request",
                 "response_hash": "response"},
@@ -228,7 +266,7 @@ def run_read_command(args: argparse.Namespace, config: Config) -> int:
         finally:
             reader.close()
     except (QueryFileError, ReadError) as e:
-        print(f"runcap {args.command}: {e}", file=sys.stderr)
+        print(f"runcap {args.command}: {store_error(str(e))}", file=sys.stderr)
         return 1
 
 
@@ -250,14 +288,18 @@ def _run(args: argparse.Namespace, reader: Reader) -> int:
     else:
         raise AssertionError(args.command)
     query = load_query(name)
-    columns, rows = reader.query(query.sql, bind(query, given, reader))
+    options = {k: f"--{k}" for k in ("task", "status", "limit", "since")} if args.command == "runs" else {}
+    columns, rows = reader.query(query.sql, bind(query, given, reader, options))
     title = None
     if args.command == "run":
         if not rows:
             raise ReadError(f"no spans for run {args.run_id!r} in {reader.where}")
         total = rows[-1][columns.index("cumulative_usd")]
         title = f"run {args.run_id}: {len(rows)} spans, ${_fmt_decimal(total)}"
-    print_rows(columns, rows, args.json, view=_VIEWS.get(name), title=title, wide=args.wide)
+    view = _VIEWS.get(name, TableView(show=()))
+    if not view.priority and query.priority:
+        view = TableView(view.show, query.priority, view.labels)
+    print_rows(columns, rows, args.json, view=view, title=title, wide=args.wide)
     return 0
 
 

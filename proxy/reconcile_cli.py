@@ -92,7 +92,9 @@ def _http(config: Config, args: argparse.Namespace, resolution: dict[str, Any] |
         with admin_http.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        raise _Failed(f"HTTP {e.code}: {e.read().decode('utf-8', 'replace')}") from None
+        from proxy.clierrors import http_error
+
+        raise _Failed(http_error(e.code, e.read().decode("utf-8", "replace"))) from None
     except urllib.error.URLError as e:
         raise _Failed(
             f"cannot reach runcap at {base}: {e.reason} (is `runcap serve` running? use --url, or "
@@ -141,14 +143,18 @@ async def _direct(config: Config, args: argparse.Namespace, resolution: dict[str
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
+    """The records as a table fitted to the terminal (proxy/termtable.py): the key an operator
+    resolves, its run, tool, state and why first; the rest as the width allows."""
+    from proxy.readcli import render_table
+
     if not rows:
         print("no records")
         return
     cells = [[_cell(c, r.get(c)) for c in _COLUMNS] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(_COLUMNS)]
-    print("  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    render_table(list(_COLUMNS), cells, view=_view())
+
+
+_VIEW_PRIORITY = ("key", "run_id", "tool", "state", "error", "updated_at", "method", "path", "args_hash")
 
 
 def _cell(column: str, value: Any) -> str:
@@ -158,3 +164,9 @@ def _cell(column: str, value: Any) -> str:
     if column == "path" and len(text) > 40:
         return text[:39] + "…"
     return text[:16] if column == "args_hash" else text
+
+
+def _view() -> Any:
+    from proxy.readcli import TableView
+
+    return TableView(show=_COLUMNS, priority=_VIEW_PRIORITY)

@@ -2,11 +2,13 @@
 `sql`) and the demo.
 
 A table is one line per row, always: a value's newlines and tabs become spaces. When the table is
-wider than the terminal, the columns that matter least go first — those empty in every row, then
-in the order of importance the caller declares, else right to left — and long free-text values
+wider than the terminal, the columns that matter least go first — those empty (or zero) in every
+row, then in the order of importance the caller declares, else right to left — and long free-text values
 (an error, a reason) are cut with an ellipsis; identifiers (`run_id`, `*_id`, `*_key`, `*_hash`),
 numbers and short values are never cut (unless the terminal is narrower than one of them alone).
-A last line names what was left out.
+A free-text column the caller declares important (an error, a note) keeps room for up to
+`WANT_TEXT_WIDTH` columns of its text before less important columns are let in: the column that
+answers the table's question is read, not just glimpsed. A last line names what was left out.
 No line is wider than the width.
 
 The width: `COLUMNS` when set, else the terminal's width when stdout is a terminal, else none —
@@ -25,6 +27,8 @@ from typing import TextIO
 GAP = "  "
 # A free-text value is cut no shorter than this (or its header): enough to recognise it.
 MIN_TEXT_WIDTH = 24
+# ... and a declared-important one is given room for this much before less important columns.
+WANT_TEXT_WIDTH = 48
 _IDENTIFIER_SUFFIXES = ("_id", "_key", "_hash")
 # What reaches the operator's terminal is text from agents, models and upstreams (errors, model and
 # tool names): control characters (C0, DEL, C1 — ESC sequences could move the cursor, hide rows or
@@ -116,7 +120,7 @@ def format_table(
     kept = list(range(len(columns)))
     widths = list(natural)
     if width is not None and _total(natural) > width:
-        empty = {i for i in range(len(columns)) if all(r[i] in ("", "-") for r in rows)}
+        empty = {i for i in range(len(columns)) if all(_blank(r[i]) for r in rows)}
         kept, widths = _fit(columns, natural, floor, width, priority, empty)
     lines: list[str] = []
     if title:
@@ -147,12 +151,18 @@ def _fit(
 ) -> tuple[list[int], list[int]]:
     """Which columns fit, and how wide: in order of importance, each column that still fits at
     its floor width; then the room left widens the cut ones evenly, up to their natural width."""
-    order = [columns.index(c) for c in priority or () if c in columns]
-    order += [i for i in range(len(columns)) if i not in order]
+    declared = [columns.index(c) for c in priority or () if c in columns]
+    order = declared + [i for i in range(len(columns)) if i not in declared]
     order.sort(key=lambda i: i in empty)  # stable: a column empty in every row is left out first
+    # What each column asks for while less important ones wait: a declared free-text column (cut
+    # at its floor) up to WANT_TEXT_WIDTH, every other one its floor.
+    want = list(floor)
+    for i in declared:
+        if natural[i] > floor[i]:
+            want[i] = max(floor[i], min(natural[i], WANT_TEXT_WIDTH))
     kept: list[int] = []
     for i in order:
-        if _total([floor[j] for j in kept] + [floor[i]]) <= width:
+        if _total([want[j] for j in kept] + [floor[i]]) <= width:
             kept.append(i)
     if not kept and order:  # even the first column alone is too wide: it is cut
         kept = [order[0]]
@@ -166,6 +176,11 @@ def _fit(
     for i in kept:
         widths[i] = min(natural[i], max(floor[i], cap))
     return kept, widths
+
+
+def _blank(cell: str) -> bool:
+    """Says nothing: empty, `-` (NULL) or a zero (`0`, `0.000000000`)."""
+    return cell in ("", "-") or (cell[:1] == "0" and cell.strip("0.") == "" and cell.count(".") <= 1)
 
 
 def _total(widths: Sequence[int]) -> int:

@@ -14,6 +14,7 @@
 -- @param since     DateTime64(6, 'UTC')  = now() - INTERVAL 7 DAY   -- window start
 -- @param bucket_s  UInt32                = 3600                      -- bucket width in seconds
 -- @param task      String                = ''                        -- one task; '' = all
+-- @priority bucket cap task runs_stopped refused_calls runs_refused example_runs headers
 SELECT
     bucket,
     task,

@@ -20,6 +20,7 @@
 --
 -- @param since  DateTime64(6, 'UTC')  = now() - INTERVAL 7 DAY   -- runs updated since
 -- @param task   String                = ''                        -- one task; '' = all
+-- @priority task metric p99 current_cap runs_stopped share_stopped completed_runs p95 p50 max runs
 SELECT
     task,
     metric,

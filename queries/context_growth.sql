@@ -13,6 +13,7 @@
 -- @param run_id     String                = ''                         -- one run; '' = every run in the window
 -- @param min_steps  UInt32                = 3                          -- runs with at least this many answered calls
 -- @param limit      UInt32                = 50                         -- rows
+-- @priority run_id steps first_input_tokens last_input_tokens avg_growth_per_step grows_every_step task max_input_tokens cached_share total_input_tokens total_output_tokens models input_by_step
 SELECT
     run_id,
     task,

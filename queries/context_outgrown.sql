@@ -16,6 +16,7 @@
 -- @param run_id  String                = ''                         -- one run; '' = every run in the window
 -- @param growth  Float64               = 4                          -- runs whose largest call read at least this many times their first's input
 -- @param limit   UInt32                = 50                         -- rows
+-- @priority run_id growth steps first_input_tokens max_input_tokens tool_output_share rewrites context_refusals task last_input_tokens removed_tokens
 SELECT
     run_id,
     task,

@@ -12,6 +12,7 @@
 -- @param run_id       String                = ''                         -- one run; '' = every run in the window
 -- @param window_s     Float64               = 60                         -- a repeat within this many seconds is quick
 -- @param min_repeats  UInt32                = 3                          -- report when calls in quick succession >= this
+-- @priority run_id kind target calls calls_in_quick_succession min_gap_s outcomes hash task median_gap_s steps first_at last_at
 SELECT
     run_id,
     task,

@@ -14,6 +14,7 @@
 --
 -- @param run_id String                = ''                          -- the run; '' = the most expensive run in the window
 -- @param since  DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''
+-- @priority row step model cost_usd share_pct calls outcomes cumulative_usd input_tokens output_tokens run most_expensive price_known cache_read_tokens cache_write_tokens reasoning_tokens
 SELECT
     run,
     row,

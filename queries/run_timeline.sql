@@ -5,6 +5,18 @@
 -- `runcap run RUN_ID`. `context` says what a context policy did to a model call's request
 -- (policy, input tokens removed, and the hash prefix of the request as the agent sent it — in
 -- full in attributes['context.original_request_hash']; request_hash is the one forwarded), or, for a call refused by X-Run-Max-Context-Tokens, the cap.
+-- `detail` is what a terminal shows of a span beyond its figures: a note on what the other
+-- columns cannot say, then the error (also in `error`, whole up to 200 characters). The notes:
+--   caps_change   who changed the caps, what changed (old→new) and why
+--                 (attributes caps.by, caps.old, caps.new, caps.reason);
+--   a model call cut short (a cancelled stream, a deadline): which of input_tokens /
+--                 output_tokens are the reservation it was charged at rather than the
+--                 provider's report, and the tokens the provider had reported when it was cut
+--                 (attributes usage.input, usage.output, usage.seen_*_tokens);
+--   a model call that got no answer: "not a step" (attributes step.counted, upstream.failures).
+--
+-- Columns kept first on a narrow terminal (`runcap run` at 80 columns):
+-- @priority step kind tool outcome detail cost_usd status_code context request_hash response_hash input_tokens output_tokens duration_ms started_at model cumulative_usd idempotency_key args_hash result_hash
 --
 -- @param run_id  String                = ''                          -- the run; '' = the most recently active run
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''
@@ -35,6 +47,47 @@ SELECT
         concat('over max_context_tokens ', attributes['context.max_tokens']),
         ''
     ) AS context,
+    arrayStringConcat(arrayFilter(x -> x != '', [multiIf(
+        kind = 'caps_change',
+        concat(
+            'by ', attributes['caps.by'], ': ',
+            arrayStringConcat(
+                arrayMap(
+                    k -> concat(
+                        k, ' ',
+                        replaceRegexpOne(replaceAll(JSONExtractRaw(attributes['caps.old'], k), '"', ''), '(\\.[0-9]*[1-9])0+$|\\.0+$', '\\1'),
+                        '→',
+                        replaceRegexpOne(replaceAll(JSONExtractRaw(attributes['caps.new'], k), '"', ''), '(\\.[0-9]*[1-9])0+$|\\.0+$', '\\1')
+                    ),
+                    arrayFilter(
+                        k -> JSONExtractRaw(attributes['caps.old'], k) != JSONExtractRaw(attributes['caps.new'], k),
+                        JSONExtractKeys(attributes['caps.new'])
+                    )
+                ),
+                ', '
+            ),
+            if(attributes['caps.reason'] != '', concat(' — ', attributes['caps.reason']), '')
+        ),
+        attributes['usage.input'] = 'reserved' OR attributes['usage.output'] = 'reserved',
+        concat(
+            'cut short: ',
+            arrayStringConcat(
+                arrayFilter(
+                    x -> x != '',
+                    [if(attributes['usage.input'] = 'reserved', 'in_tok', ''),
+                     if(attributes['usage.output'] = 'reserved', 'out_tok', '')]
+                ),
+                '+'
+            ),
+            ' charged at the reservation (reported: ', attributes['usage.seen_input_tokens'], ' in, ',
+            attributes['usage.seen_output_tokens'], ' out)'
+        ),
+        attributes['step.counted'] = 'false',
+        concat('no answer, not a step',
+               if(attributes['upstream.failures'] != '',
+                  concat(' (', attributes['upstream.failures'], ' upstream failures in a row)'), '')),
+        ''
+    ), substring(error, 1, 200)]), ' · ') AS detail,
     run_id
 FROM
 (

@@ -8,6 +8,8 @@
 -- @param task    String                = ''                         -- one task; '' = all
 -- @param status  String                = ''                         -- one status; '' = all
 -- @param limit   UInt32                = 50                         -- rows
+-- @choices status active completed budget_exceeded deadline_exceeded steps_exceeded tool_calls_exceeded cancelled
+-- @priority run_id status steps cost_usd cap_hit updated_at task tool_calls max_usd input_tokens output_tokens
 SELECT
     run_id,
     task,

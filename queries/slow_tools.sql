@@ -16,6 +16,7 @@
 -- @param since      DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR   -- window start
 -- @param tool       String                = ''                         -- one tool; '' = all
 -- @param min_calls  UInt32                = 1                          -- tools with at least this many calls
+-- @priority tool_name source calls p99_ms timeouts errors p50_ms p95_ms max_ms runs
 SELECT
     source,
     tool_name,

@@ -6,6 +6,7 @@
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR   -- window start (ignored when run_id is set)
 -- @param run_id  String                = ''                         -- one run; '' = every run in the window
 -- @param limit   UInt32                = 100                        -- rows
+-- @priority started_at run_id target outcome error status_code kind step duration_ms task idempotency_key
 SELECT
     started_at,
     run_id,

@@ -9,6 +9,8 @@
 -- @param since  DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window start
 -- @param until  DateTime64(6, 'UTC')  = now() + INTERVAL 1 MINUTE   -- window end (exclusive)
 -- @param limit  UInt32                = 20                          -- rows
+-- @choices by run task model
+-- @priority key cost_usd share_pct runs model_calls avg_usd_per_run unpriced_calls by tasks input_tokens output_tokens first_at last_at
 SELECT
     {by:String} AS by,
     key,

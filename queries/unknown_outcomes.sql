@@ -10,6 +10,7 @@
 --
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 7 DAY   -- window start (ignored when run_id is set)
 -- @param run_id  String                = ''                        -- one run; '' = every run in the window
+-- @priority run_id idempotency_key tool_name why refused_repeats attempts first_unknown_at step last_at args_hash request_hash
 SELECT
     run_id,
     idempotency_key,

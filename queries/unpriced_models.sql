@@ -5,6 +5,7 @@
 -- caps.allow_unpriced is set: `refused_calls` counts those.)
 --
 -- @param since  DateTime64(6, 'UTC')  = now() - INTERVAL 7 DAY   -- window start
+-- @priority model calls uncharged_input_tokens uncharged_output_tokens runs provider ok_calls refused_calls tasks example_runs first_at last_at
 SELECT
     provider,
     model,

@@ -112,7 +112,9 @@ async def test_upstream_error_passed_through_and_settled(runcap, upstream):  # t
             assert "x-should-retry" not in r.headers  # the upstream's error, the agent's retry policy
             assert await r.json() == direct
     run = await runcap.run("e429")
-    assert run["cost_usd"] == "0.000000000" and run["reserved_usd"] == "0.000000000" and run["steps"] == 1
+    assert run["cost_usd"] == "0.000000000" and run["reserved_usd"] == "0.000000000"
+    # A 429 got no answer: not a step (issue 25 item 1; it was counted as one), but a failure.
+    assert run["steps"] == 0 and run["upstream_failures"] == 1
 
 
 async def test_client_disconnect_mid_stream_closes_upstream_and_settles(runcap, upstream):  # type: ignore[no-untyped-def]

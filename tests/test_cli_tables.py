@@ -18,7 +18,7 @@ H = [hashlib.sha256(b"%d" % n).hexdigest() for n in range(7)]  # request_hash, a
 TIMELINE_COLUMNS = [
     "started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens", "cost_usd",
     "cumulative_usd", "args_hash", "result_hash", "outcome", "status_code", "duration_ms",
-    "idempotency_key", "request_hash", "response_hash", "error", "context", "run_id",
+    "idempotency_key", "request_hash", "response_hash", "error", "context", "detail", "run_id",
 ]  # fmt: skip
 
 
@@ -28,7 +28,8 @@ def span(at: str, step: int, kind: str, tool: str, tokens: tuple[int, int], cost
     args_h, result_h, request_h, response_h = hashes
     model = "" if kind == "tool" else "gpt-4o-mini"
     return [f"2026-03-04T05:06:{at}+00:00", step, kind, model, tool, *tokens, cost, total, args_h, result_h,
-            outcome, status, ms, "", request_h, response_h, error, "", "ticket-4711"]  # fmt: skip
+            outcome, status, ms, "", request_h, response_h, error, "", error.replace("\n", " "),
+            "ticket-4711"]  # fmt: skip
 
 
 MODEL = ("0.000012300", "0.000012300")  # cost, cumulative
@@ -76,26 +77,26 @@ TITLE = "run ticket-4711: 5 spans, $0.000535800"
 TIMELINE_80 = """\
 run ticket-4711: 5 spans, $0.000535800
 
-step  kind         tool       cost_usd  outcome          status  request
-────  ───────────  ──────  ───────────  ───────────────  ──────  ────────────
-   1  model                0.000012300  ok                  200  5feceb66ffc8
-   1  tool_call    refund            0  ok                  200
-   1  tool         refund            0  ok                  200  4b227777d4dd
-   1  tool_result  refund            0  ok                  200
-   2  model                0.000523500  budget_exceeded     402  e7f6c011776e
-(--wide shows 12 more: started_at, model, in_tok, out_tok, total_usd, ms, respo…"""
+step  kind         tool    outcome          detail
+────  ───────────  ──────  ───────────────  ────────────────────────────────────
+   1  model                ok
+   1  tool_call    refund  ok
+   1  tool         refund  ok
+   1  tool_result  refund  ok
+   2  model                budget_exceeded  X-Run-Max-Usd: run ticket-4711 has…
+(--wide shows 14 more: started_at, model, in_tok, out_tok, cost_usd, total_usd,…"""
 
 TIMELINE_120 = """\
 run ticket-4711: 5 spans, $0.000535800
 
-step  kind         tool       cost_usd  outcome          status  request       response      error
-────  ───────────  ──────  ───────────  ───────────────  ──────  ────────────  ────────────  ───────────────────────────
-   1  model                0.000012300  ok                  200  5feceb66ffc8  6b86b273ff34
-   1  tool_call    refund            0  ok                  200
-   1  tool         refund            0  ok                  200  4b227777d4dd  ef2d127de37b
-   1  tool_result  refund            0  ok                  200
-   2  model                0.000523500  budget_exceeded     402  e7f6c011776e                X-Run-Max-Usd: run ticket-…
-(--wide shows 10 more: started_at, model, in_tok, out_tok, total_usd, ms, args_hash, result_hash, idempotency_key, cont…"""  # noqa: E501
+step  kind         tool       cost_usd  outcome          status   ms  detail
+────  ───────────  ──────  ───────────  ───────────────  ──────  ───  ──────────────────────────────────────────────────
+   1  model                0.000012300  ok                  200  8.9
+   1  tool_call    refund            0  ok                  200    0
+   1  tool         refund            0  ok                  200  6.2
+   1  tool_result  refund            0  ok                  200    0
+   2  model                0.000523500  budget_exceeded     402  0.4  X-Run-Max-Usd: run ticket-4711 has $0.000464200 l…
+(--wide shows 11 more: started_at, model, in_tok, out_tok, total_usd, request, response, args_hash, result_hash, idempo…"""  # noqa: E501
 
 RUNS_80 = """\
 run_id                                status               steps     cost_usd

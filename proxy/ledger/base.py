@@ -11,6 +11,11 @@ Rules (DESIGN.md "Enforcement rules"):
   refused only when even the input plus a useful output cannot fit; otherwise its output limit is
   clamped to what fits, so concurrent calls cannot jointly overshoot;
 * the next-to-last allowed call is answer-only (tools stripped); a call past it is refused;
+* a model call that got no answer (connect error, 408/409/429/5xx, cut before any output:
+  `Settlement.no_answer`) gives its step back — it is not a step, and never the answer-only final
+  step; a run's consecutive upstream failures (`Settlement.upstream_failed`) are counted, and its
+  next call is refused once they reach `StepRequest.max_upstream_failures` (402
+  `max_upstream_failures`); an answered call sets the count back to 0;
 * settlement replaces the reservation by the actual usage — also a reservation a sweep already
   charged at its reserved amount because its owner looked dead (`apply_unrecovery`): a settlement
   always wins over a sweep's estimate, and nothing is ever charged twice;
@@ -88,6 +93,8 @@ class RunState:
     # Input tokens of the run's first answered model step: the baseline of X-Run-Context-Growth
     # (proxy/server/context.py), kept here so it survives restarts and is shared by replicas.
     context_baseline: int = 0
+    # Model calls in a row that failed upstream (no answer); 0 after an answered call.
+    upstream_failures: int = 0
 
     @property
     def tool_calls(self) -> int:
@@ -133,6 +140,8 @@ class StepRequest:
     output_usd_per_mtok: Decimal | None
     allow_unpriced: bool = False
     counts_as_step: bool = True  # embeddings spend tokens and dollars but are not agent steps
+    # Consecutive upstream failures after which the run's calls are refused (`[caps]`); None: no limit.
+    max_upstream_failures: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +161,7 @@ class Reservation:
     # False: a call with nothing to enforce, decided without the ledger (`begin_unledgered_step`)
     # and settled the same way — there is no row to settle.
     ledgered: bool = True
+    counts_as_step: bool = True  # the call took a step (given back when it gets no answer)
 
     @property
     def tokens(self) -> int:
@@ -168,6 +178,12 @@ class Settlement:
     run_status: str | None = None  # e.g. deadline_exceeded / cancelled when the call was cut
     # The provider-reported input tokens of a model step's context (0: not a context reading).
     context_tokens: int = 0
+    # The call produced no model output (connect error, 408/409/429/5xx, cut before any output):
+    # not a step, and not the answer-only final step.
+    no_answer: bool = False
+    # ... because the upstream failed (not because the agent, a cancel or the deadline cut it):
+    # counts towards the run's consecutive upstream failures.
+    upstream_failed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +269,7 @@ class Ledger(abc.ABC):
     async def release_reservation(self, reservation: Reservation) -> None:
         """Drop the reservation of a call that was never forwarded (nothing was spent); nothing
         happens when it was never written."""
-        await self.settle(reservation, Settlement(), time.time())
+        await self.settle(reservation, Settlement(no_answer=True), time.time())
 
     async def release_tool_call(self, record: IdempotencyRecord) -> None:  # noqa: B027
         """Delete `record` — this instance's `in_flight` record of a call it never executed — if
@@ -352,6 +368,12 @@ def apply_caps_change(state: RunState, change: CapsChange, now: float) -> None:
     state.operator_caps = ",".join(sorted({*filter(None, state.operator_caps.split(",")), *change}))
     if state.final_reason is not None and _FINAL_REASON_CAP[state.final_reason] in change:
         state.final_reason = None
+    # An operator acting on the run has seen its upstream failures: it may try again (a run that
+    # is out of dollars or tokens too is stopped again by its next call).
+    if state.upstream_failures:
+        state.upstream_failures = 0
+        if state.status == "budget_exceeded" and not state.cancelled:
+            state.status = "active"
     if not state.cancelled and any(cap in change for cap in _CAP_STATUSES.get(state.status, ())):
         state.status = "active"
     state.updated_at = max(state.updated_at, now)
@@ -411,6 +433,16 @@ def decide_step(state: RunState, req: StepRequest) -> Reservation:
 def _reserve(state: RunState, req: StepRequest) -> Reservation:
     caps = state.caps
     final_reason: str | None = None
+    limit_failures = req.max_upstream_failures
+    if limit_failures is not None and state.upstream_failures >= limit_failures:
+        raise BudgetExceeded(
+            "max_upstream_failures",
+            f"caps.max_upstream_failures: the last {state.upstream_failures} model calls of run "
+            f"{state.run_id} got no answer from the upstream (connection error, 408/409/429/5xx or "
+            f"cut before any output; the limit is {limit_failures} in a row), so runcap stopped the "
+            "run. Check the provider, then start a new run, or have an operator let this one go on "
+            "(runcap caps RUN_ID ...).",
+        )
     if req.counts_as_step:
         if state.final_reason is not None:
             cap = state.final_reason
@@ -505,6 +537,7 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
         clamped=limit < wanted,
         final_step=final_reason is not None,
         state=replace(state),
+        counts_as_step=req.counts_as_step,
     )
 
 
@@ -551,12 +584,23 @@ def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, n
     state.tool_calls_requested += s.tool_calls_requested
     if s.context_tokens and not state.context_baseline:
         state.context_baseline = s.context_tokens  # the run's first answered step
+    if s.no_answer:
+        # Not a step: its slot goes back to the run, and so does an answer-only final step
+        # (the next call is the final step again, with its tools stripped).
+        if reservation.counts_as_step:
+            state.steps = max(0, state.steps - 1)
+            if reservation.final_step:
+                state.final_reason = None
+        if s.upstream_failed:
+            state.upstream_failures += 1
+    else:
+        state.upstream_failures = 0
     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
     if s.run_status:
         _set_status(state, s.run_status)
     elif state.status not in TERMINAL_STATUSES:
         state.status = "completed" if s.finished else "active"
-    if state.final_reason is not None and reservation.final_step:
+    if state.final_reason is not None and reservation.final_step and not s.no_answer:
         # The answer-only step happened: the run ended on the cap that forced it.
         _set_status(state, "steps_exceeded" if state.final_reason == "max_steps" else "tool_calls_exceeded")
 

@@ -241,7 +241,7 @@ def _state_json(s: RunState) -> bytes:
             c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
             s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
             s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, s.cancelled,
-            s.operator_caps, s.context_baseline,
+            s.operator_caps, s.context_baseline, s.upstream_failures,
         ]
     )  # fmt: skip
 
@@ -256,6 +256,7 @@ def _json_state(raw: bytes) -> RunState:
         reserved_tokens=r[17], final_reason=r[18], cancelled=r[19],
         operator_caps=r[20] if len(r) > 20 else "",  # written before operator top-ups existed
         context_baseline=r[21] if len(r) > 21 else 0,  # written before context growth existed
+        upstream_failures=r[22] if len(r) > 22 else 0,  # written before failures were counted
     )  # fmt: skip
 
 
@@ -524,7 +525,7 @@ class RedisLedger(Ledger):
         return await self._settle_reservation(reservation, settlement, now, quiet=False)
 
     async def release_reservation(self, reservation: Reservation) -> None:
-        await self._settle_reservation(reservation, Settlement(), time.time(), quiet=True)
+        await self._settle_reservation(reservation, Settlement(no_answer=True), time.time(), quiet=True)
 
     async def _settle_reservation(
         self, reservation: Reservation, settlement: Settlement, now: float, *, quiet: bool

@@ -194,6 +194,7 @@ _ADDED_COLUMNS = {
     "runs": (
         ("operator_caps", "TEXT NOT NULL DEFAULT ''"),
         ("context_baseline", "INTEGER NOT NULL DEFAULT 0"),
+        ("upstream_failures", "INTEGER NOT NULL DEFAULT 0"),
     ),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
@@ -228,9 +229,9 @@ _COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
     "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps, "
-    "context_baseline"
+    "context_baseline, upstream_failures"
 )
-_UPSERT = f"INSERT OR REPLACE INTO runs ({_COLUMNS}) VALUES ({', '.join('?' * 22)})"
+_UPSERT = f"INSERT OR REPLACE INTO runs ({_COLUMNS}) VALUES ({', '.join('?' * 23)})"
 
 
 def _row_to_state(row: tuple) -> RunState:  # type: ignore[type-arg]
@@ -253,6 +254,7 @@ def _row_to_state(row: tuple) -> RunState:  # type: ignore[type-arg]
         cancelled=bool(row[19]),
         operator_caps=row[20],
         context_baseline=row[21],
+        upstream_failures=row[22],
     )
 
 
@@ -263,7 +265,7 @@ def _state_to_row(s: RunState) -> tuple:  # type: ignore[type-arg]
         c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
-        s.operator_caps, s.context_baseline,
+        s.operator_caps, s.context_baseline, s.upstream_failures,
     )  # fmt: skip
 
 

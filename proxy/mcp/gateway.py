@@ -546,7 +546,10 @@ class MCPGateway(ToolRoute):
             self.metrics.rejections.labels(rej.code or rej.type).inc()
             await reply.message(refusal(rid, rej), self._answer_headers(run, call))
         finally:
-            record_tool_call(self.recorder, self.metrics, call, endpoint="tools/call", metric_label=label)
+            access = ("POST", f"/mcp/{server.name}", run.run_id) if self.config.log_requests else None
+            record_tool_call(
+                self.recorder, self.metrics, call, endpoint="tools/call", metric_label=label, access=access
+            )
 
     def _answer_headers(self, run: RunRequest, call: ToolCall) -> dict[str, str]:
         headers = (
@@ -586,7 +589,14 @@ class MCPGateway(ToolRoute):
                 state = await self.calls.timed(
                     "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, now)
                 )
-            await self._list_tools(server, target, headers, meta, run_deadline(run, state, now))
+            listed = await self._list_tools(server, target, headers, meta, run_deadline(run, state, now))
+            if listed and not self.catalog.knows(server.name, name):
+                # The server's whole tools/list does not have it: never forwarded (-32044).
+                raise ToolDenied(
+                    f"tool {name!r} is not one of MCP server {server.name!r}'s tools (its tools/list "
+                    "does not have it); it was not called — call one of the listed tools",
+                    code="unknown_tool",
+                )
         tool = server.tools.get(name)
         side_effects = self.catalog.side_effects(server, name)
         call.attributes["mcp.side_effects"] = "true" if side_effects else "false"
@@ -836,6 +846,7 @@ class MCPGateway(ToolRoute):
         it), a JSON-RPC error as much as a result (server/tool_outcome.py)."""
         assert call.run is not None
         call.status = 200
+        call.reached = "true"
         # Recorded as the server sent it (a replay gives back the same JSON), hashed canonically.
         if "result" in message:
             result = message["result"]
@@ -868,10 +879,11 @@ class MCPGateway(ToolRoute):
         headers: CIMultiDict[str],
         meta: dict[str, Any],
         deadline: float | None,
-    ) -> None:
+    ) -> bool:
         """Learn the server's tools before a call to one runcap has not seen listed: a
         `tools/list` of runcap's own, in the agent's session (best effort; what stays unknown is
-        side-effecting); each page within LISTING_TIMEOUT_S and the run's `deadline`."""
+        side-effecting); each page within LISTING_TIMEOUT_S and the run's `deadline`. True when
+        the whole listing was read (every page)."""
         out = CIMultiDict(headers)
         for h in ("Mcp-Name", "Idempotency-Key", "Last-Event-ID"):
             out.popall(h, None)
@@ -899,15 +911,16 @@ class MCPGateway(ToolRoute):
                         release_or_drop(upstream)
             except (TimeoutError, aiohttp.ClientError, OSError, ToolResponseTooLarge, EventTooLarge) as e:
                 log.warning("could not list the tools of MCP server %s: %s", server.name, e)
-                return
+                return False
             answer = next((m for m in collected.messages if m.get("id") == rid), None)
             result = answer.get("result") if answer is not None else None
             if not isinstance(result, dict):
-                return
+                return False
             self.catalog.learn(server.name, result)
             cursor = result.get("nextCursor")
             if not cursor:
-                return
+                return True
+        return False
 
     # -- GET (the server's stream) and DELETE (end of a session) ---------------------------------
 

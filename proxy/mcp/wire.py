@@ -47,13 +47,14 @@ ERROR_CODES = {
 
 
 class ToolDenied(Rejection):
-    """A tool the operator hid with `deny`: not listed, and refused when called anyway."""
+    """A tool the operator hid with `deny`: not listed, and refused when called anyway — or one the
+    server's tools/list does not have (code `unknown_tool`): never forwarded."""
 
     status = 403
     type = "tool_denied"
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="denied", param="params.name")
+    def __init__(self, message: str, code: str = "denied") -> None:
+        super().__init__(message, code=code, param="params.name")
 
 
 class InvalidMessage(Exception):

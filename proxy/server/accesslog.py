@@ -1,6 +1,9 @@
-"""One structured (JSON) log line per request, on the `runcap.access` logger.
+"""One structured (JSON) log line per request, on the `runcap.access` logger: per model call
+(`AccessLogStep`, a flow step) and per tool call — through `/tools` or an MCP server's
+`tools/call` (`log_tool_call`, from the one place every tool call is recorded).
 
-Never the request's credentials or bodies: ids, sizes, the decision runcap took and the money.
+Never the request's credentials or bodies: ids, sizes, the decision runcap took and the money. A
+request refused for a bad run header still names its run when its X-Run-Id was valid.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import logging
 
 import orjson
 
+from proxy.caps import claimed_run_id
 from proxy.money import format_usd
 from proxy.server.flow import Flow
 
@@ -26,7 +30,7 @@ class AccessLogStep:
         if not log.isEnabledFor(logging.INFO):
             return
         record: dict[str, object] = {
-            "run_id": flow.run.run_id if flow.run else None,
+            "run_id": flow.run.run_id if flow.run else claimed_run_id(flow.request.headers),
             "step": flow.step or None,
             "method": flow.request.method,
             "path": flow.request.path,
@@ -52,3 +56,29 @@ class AccessLogStep:
         if flow.error:
             record["error"] = flow.error[:300]
         log.info("%s", orjson.dumps(record).decode())
+
+
+def log_tool_call(
+    *, run_id: str | None, step: int, method: str, path: str, tool: str, status: int, outcome: str,
+    duration_ms: float, idempotency_key: str | None, error: str, mcp_server: str = "",
+) -> None:  # fmt: skip
+    """The access log line of one tool call (`/tools/{name}` or MCP `tools/call`)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    record: dict[str, object] = {
+        "run_id": run_id,
+        "step": step or None,
+        "method": method,
+        "path": path,
+        "tool": tool,
+        "status": status,
+        "outcome": outcome,
+        "duration_ms": round(duration_ms, 3),
+    }
+    if mcp_server:
+        record["mcp_server"] = mcp_server
+    if idempotency_key:
+        record["idempotency_key"] = idempotency_key
+    if error:
+        record["error"] = error[:300]
+    log.info("%s", orjson.dumps(record).decode())

@@ -126,7 +126,7 @@ def build_app(
         client_max_size=config.max_body_bytes,
         handler_args={"max_field_size": 65536},
         # Host / Origin against DNS rebinding, before any route (server/local_trust.py)
-        middlewares=[LocalTrust(config).middleware],
+        middlewares=[LocalTrust(config).middleware, json_not_found],
     )
     app[RUNTIME] = rt
 
@@ -278,6 +278,22 @@ def _install_uvloop() -> None:
     uvloop.install()
 
 
+# What a request to no route is told, in runcap's error shape (aiohttp's own is plain text).
+_ROUTES_HINT = (
+    "runcap serves /v1/... and /openai/... (OpenAI), /anthropic/... (Anthropic), /u/{upstream}/..., "
+    "/tools/{name}, /mcp/{name}, /r/{run_id}/..., /runs/{id}, /healthz, /readyz, /metrics, /admin/sql"
+)
+
+
+@web.middleware
+async def json_not_found(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An unknown route (or `/`) is a JSON 404 that says which routes there are."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return NotFound(f"no route {request.path[:200]!r}; {_ROUTES_HINT}", param="path").response("openai")
+
+
 def serve(config: Config) -> None:
     """Serve until SIGINT/SIGTERM, in `config.workers` processes sharing the port; with tracing,
     a supervised shipper process drains their write-ahead log into the stores."""
@@ -360,4 +376,16 @@ def _serve_one(config: Config, reuse_port: bool, worker: int | None, parent_pid:
     # Header and body deadlines, idle keep-alive, connections per client (server/connections.py).
     guard = ConnectionGuard(ConnectionLimits.from_config(config))
     app[RUNTIME].metrics.watch_connections(guard)
+
+    async def draining(app: web.Application) -> None:
+        # A SIGTERM or Ctrl-C: the one line that says shutdown began (the shipper's "shipper
+        # drained" line says when it is done, and what is left in the WAL).
+        rt = app[RUNTIME]
+        log.info(
+            '{"event": "draining", "pid": %d, "in_flight_runs": %d, "then": "%s"}',
+            os.getpid(), len(rt.flights.run_ids()),
+            "the span shipper drains the WAL" if config.tracing else "exit",
+        )  # fmt: skip
+
+    app.on_shutdown.append(draining)
     run_guarded(app, sock, guard, keepalive_timeout_s=config.keepalive_timeout_s, shutdown_timeout_s=10)

@@ -123,6 +123,7 @@ class BudgetStep:
             output_usd_per_mtok=rates[1] * _MTOK if rates else None,
             allow_unpriced=self.caps.allow_unpriced,
             counts_as_step=flow.adapter.name != "embeddings",
+            max_upstream_failures=self.caps.max_upstream_failures,
         )
         if nothing_to_enforce(run.generated, run.caps) and flow.rewrite is None and not flow.inner:
             # Its own one-step run with no cap: nothing to reserve against, nothing to recover
@@ -244,6 +245,7 @@ class BudgetStep:
     def settlement(self, flow: Flow, res: Reservation) -> Settlement:
         info = flow.response_info
         usage = info.usage if info else None
+        flow.usage_seen = usage
         if flow.outcome == "incomplete":
             # A stream that ended without its closing event: the provider may have generated (and
             # billed) more than runcap saw, so it is settled at least at its reservation.
@@ -276,6 +278,14 @@ class BudgetStep:
                 cache_write_tokens=usage.cache_write_tokens,
                 reasoning_tokens=usage.reasoning_tokens,
             )
+        if usage is not flow.usage_seen:
+            # Settled above what the provider reported (a cut, a missing usage): those figures
+            # are the reservation's, and the span says so (trace.py).
+            seen = flow.usage_seen or Usage()
+            flow.usage_reserved = (
+                usage.input_tokens > seen.input_tokens,
+                usage.output_tokens > seen.output_tokens,
+            )
         # Priced as the model the call reserved for (a gateway or an Azure deployment may answer
         # with a name of its own, unknown or cheaper), unless the answering model is known and
         # dearer: never settled below what was really spent, never at an unknown $0 instead.
@@ -294,6 +304,8 @@ class BudgetStep:
         flow.price_known = cost.known
         flow.usage = usage
         status = {"deadline": "deadline_exceeded", "cancel": "cancelled"}.get(flow.cut_reason or "")
+        no_answer, upstream_failed = answer_missing(flow)
+        flow.no_answer = no_answer
         return Settlement(
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
@@ -306,6 +318,8 @@ class BudgetStep:
             # The provider's count of this step's context (proxy/server/context.py): the run's
             # first one is the baseline of its growth.
             context_tokens=flow.context.tokens if flow.context is not None else 0,
+            no_answer=no_answer,
+            upstream_failed=upstream_failed,
         )
 
     async def _timed(self, op: str, call: Awaitable[T]) -> T:
@@ -314,6 +328,25 @@ class BudgetStep:
             return await call
         finally:
             self.metrics.ledger_op(op, time.perf_counter() - t0)
+
+
+# Statuses the official SDKs retry (and providers use for "overloaded", "rate limited", "try
+# again"): the call was not answered, so it is not a step of the run.
+_RETRIED_STATUSES = frozenset({408, 409, 429})
+
+
+def answer_missing(flow: Flow) -> tuple[bool, bool]:
+    """(no answer, upstream failure) of a settled model call. No answer: the call produced no model
+    output — the upstream was not reached, answered 408/409/429/5xx (529 overloaded included), or
+    the call was cut before a byte of its response arrived. An upstream failure is the part of
+    those the upstream caused (not the agent going away, a cancel or the deadline)."""
+    status = flow.upstream_status
+    if flow.upstream_unreached or status in _RETRIED_STATUSES or status >= 500:
+        return True, True
+    if status == 0 or (flow.response_body is None and flow.response_bytes == 0):
+        # Cut before the upstream answered anything (no headers, or headers and no body yet).
+        return True, flow.cut_reason is None and flow.error != "client disconnected"
+    return False, False
 
 
 def run_headers(flow: Flow, state: RunState, now: float) -> dict[str, str]:

@@ -76,10 +76,17 @@ class Flow:
     upstream_started: float | None = None
     upstream_ms: float | None = None
     usage: Usage | None = None  # as settled
+    # A call cut short is settled partly at its reservation: which of `usage`'s input and output
+    # figures are the reserved worst case (not reported by the provider), and what the provider
+    # had reported when it was cut (None: nothing).
+    usage_reserved: tuple[bool, bool] = (False, False)
+    usage_seen: Usage | None = None
     cost_nanos: int = 0
     price_known: bool = True
     outcome: str = "ok"
     error: str = ""
+    # The call produced no model output (budget.answer_missing): it gave its step back.
+    no_answer: bool = False
     # Why the call was cut, when it was: "deadline" or "cancel" (set by whoever cut it).
     cut_reason: str | None = None
     # A context policy rewrote the request (proxy/context); None: forwarded as the agent sent it.

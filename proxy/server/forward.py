@@ -31,7 +31,7 @@ from proxy.errors import (
     RunCancelled,
     UpstreamUnavailable,
 )
-from proxy.providers.base import BodyError
+from proxy.providers.base import BodyError, ResponseInfo
 from proxy.providers.registry import adapter_for
 from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights, Flow, FlowStep
@@ -395,23 +395,33 @@ class Forwarder:
         first = True
         capture_limit = self.capture_limit if reader is not None else 0
         captured = flow.captured = bytearray() if capture_limit else None
-        async for chunk in upstream.content.iter_any():
-            if first:
-                flow.ttft_ms = flow.duration_ms
-                first = False
-            flow.response_bytes += len(chunk)
-            if captured is not None:
-                if len(captured) + len(chunk) <= capture_limit:
-                    captured += chunk
-                else:
-                    captured = flow.captured = None  # too large to store: hash nothing
-            out = reader.feed(chunk) if reader is not None else chunk
-            if reader is not None and reader.ended:
-                # The closing event arrived (in this chunk or before): from here on the bytes
-                # wait for the done steps, so the agent has the end only once it is on record.
-                flow.held_tail += out
-            elif out:
-                await reply.write(out)
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    flow.ttft_ms = flow.duration_ms
+                    first = False
+                flow.response_bytes += len(chunk)
+                if captured is not None:
+                    if len(captured) + len(chunk) <= capture_limit:
+                        captured += chunk
+                    else:
+                        captured = flow.captured = None  # too large to store: hash nothing
+                out = reader.feed(chunk) if reader is not None else chunk
+                if reader is not None and reader.ended:
+                    # The closing event arrived (in this chunk or before): from here on the bytes
+                    # wait for the done steps, so the agent has the end only once it is on record.
+                    flow.held_tail += out
+                elif out:
+                    await reply.write(out)
+        except BaseException:
+            if reader is not None:
+                # Cut (cancel, deadline, the agent or the upstream gone): keep the usage the
+                # provider reported so far (Anthropic's message_start input, say) — the tokens
+                # seen; the budget settles the rest at the reservation. Only the usage: a cut
+                # answer's half-streamed tool calls are not the model's requests.
+                seen = reader.info
+                flow.response_info = ResponseInfo(model=seen.model, usage=seen.usage, complete=False)
+            raise
         flow.upstream_answered()
         if reader is not None:
             tail = reader.close()

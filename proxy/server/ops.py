@@ -49,6 +49,8 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
         "reserved_usd": format_usd(state.reserved_usd_nanos),
         "reserved_tokens": state.reserved_tokens,
         "final_step_reason": state.final_reason,
+        # Model calls in a row the upstream did not answer (caps.max_upstream_failures stops the run).
+        "upstream_failures": state.upstream_failures,
         # Input tokens of the run's first answered step: the baseline of X-Run-Context-Growth.
         "context_baseline_tokens": state.context_baseline,
         "caps": {
@@ -165,7 +167,8 @@ class OpsRoutes:
 
     async def readyz(self, request: web.Request) -> web.Response:
         """Ready when the ledger accepts a write within a short timeout (the guarded ledger's
-        `ping`): otherwise 503, naming the backend and why (unreachable, timed out, disk full)."""
+        `ping`) and, with tracing on, the span shipper answers on its socket (the read commands
+        and /admin/sql go through it): otherwise 503, naming what is not ready and why."""
         name = self.ledger.name
         try:
             await self.ledger.ping()
@@ -175,6 +178,14 @@ class OpsRoutes:
         except Exception as e:
             body = {"status": "unavailable", "ledger": name, "reason": "ledger_error", "error": str(e)}
             return _json(body, 503)
+        if self.span_store is not None:
+            try:
+                await self.span_store.stats(timeout_s=1.0)
+            except ShipperUnavailable as e:
+                body = {"status": "unavailable", "ledger": name, "shipper": "unavailable",
+                        "reason": "shipper_starting_or_down", "error": str(e)}  # fmt: skip
+                return _json(body, 503, {"Retry-After": "1"})
+            return _json({"status": "ready", "ledger": name, "shipper": "ready"})
         return _json({"status": "ready", "ledger": name})
 
     async def metrics_text(self, request: web.Request) -> web.Response:

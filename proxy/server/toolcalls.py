@@ -18,6 +18,7 @@ from proxy.caps import RunRequest
 from proxy.config import Config
 from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, ToolTimeout
 from proxy.ledger.base import Ledger, RunState, ToolCallRequest, ToolCallStart
+from proxy.server.accesslog import log_tool_call
 from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
@@ -91,6 +92,10 @@ class ToolCall:
     outcome: str = "ok"
     error: str = ""
     cut_reason: str | None = None
+    # Whether the call reached the tool (span attribute `tool.reached`, read by
+    # queries/duplicate_side_effects.sql): "true" the tool answered, "unknown" cut after it may
+    # have, "false" never (refused by runcap, replayed from its record, tool unreachable).
+    reached: str = "false"
     attributes: dict[str, str] = field(default_factory=dict)  # the span's, beyond the columns
 
     def keep_body(self, recorder: SpanRecorder, data: bytes, *, response: bool, is_error: bool = False,
@@ -185,6 +190,8 @@ class ToolCallLedger:
 
     async def unknown(self, call: ToolCall, reason: str, metric_label: str) -> None:
         """The call was cut after it may have reached the tool: `unknown` until reconciled."""
+        if call.reached != "true":  # runcap failing after the answer: the tool was reached
+            call.reached = "unknown"
         if call.key is None or call.run is None:
             return
         call.outcome = "unknown"
@@ -211,11 +218,22 @@ class ToolCallLedger:
 
 
 def record_tool_call(
-    recorder: SpanRecorder, metrics: Metrics, call: ToolCall, *, endpoint: str, metric_label: str
-) -> None:
+    recorder: SpanRecorder, metrics: Metrics, call: ToolCall, *, endpoint: str, metric_label: str,
+    access: tuple[str, str, str | None] | None = None,
+) -> None:  # fmt: skip
     """Count the call and hand its `tool` span, the run's new state and the bodies kept to the
-    recorder: one step, one record."""
+    recorder: one step, one record. `access`: (method, path, the run id the request claimed) for
+    the access log line, when `log_requests` is on."""
     metrics.tool_calls.labels(metric_label, call.outcome).inc()
+    if access is not None:
+        method, path, claimed = access
+        log_tool_call(
+            run_id=call.run.run_id if call.run is not None else claimed,
+            step=call.state.steps if call.state is not None else 0, method=method, path=path,
+            tool=call.tool, status=call.status, outcome=call.outcome,
+            duration_ms=(time.perf_counter() - call.started) * 1000.0, idempotency_key=call.key,
+            error=call.error, mcp_server=call.attributes.get("mcp.server", ""),
+        )  # fmt: skip
     if call.run is None:
         return
     try:
@@ -237,7 +255,7 @@ def record_tool_call(
             idempotency_key=call.key or "",
             request_hash=call.request_hash,
             response_hash=call.response_hash,
-            attributes=call.attributes,
+            attributes={**call.attributes, "tool.reached": call.reached},
         )
         # the run's state: its executed tool calls changed
         recorder.step([span], run_snapshot(call.state) if call.state is not None else None, call.bodies)

@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.caps import RunRequest, parse_run_headers
+from proxy.caps import RunRequest, claimed_run_id, parse_run_headers
 from proxy.config import ToolConfig
 from proxy.errors import (
     DeadlineExceeded,
@@ -295,6 +295,7 @@ class ToolGateway(ToolRoute):
         if task is not None:
             self.flights.remove(run.run_id, task)
         call.status = status
+        call.reached = "true"
         call.result_hash = result_hash(data)
         if status >= 400:
             call.outcome = "error"
@@ -329,7 +330,10 @@ class ToolGateway(ToolRoute):
 
     def _record(self, request: web.Request, call: ToolCall) -> None:
         call.attributes["tool.path"] = call.path
+        access = None
+        if self.config.log_requests:
+            access = (request.method, request.path, claimed_run_id(request.headers))
         record_tool_call(
             self.recorder, self.metrics, call, endpoint=request.method,
-            metric_label=call.tool if call.known else "unknown",
+            metric_label=call.tool if call.known else "unknown", access=access,
         )  # fmt: skip

@@ -80,6 +80,13 @@ def parse_change(body: Any, current: RunCaps | None, caps: CapsConfig, now: floa
         base = max(now, current.deadline) if current is not None and current.deadline is not None else now
         change["deadline"] = base + float(extend)
     deadline = change.get("deadline")
+    if deadline is not None and deadline <= now:
+        raise InvalidRequest(
+            f"deadline: {datetime.fromtimestamp(deadline, UTC).isoformat(timespec='seconds')} is in the "
+            "past, so the run would stop at once; give a future time, --extend SECONDS, or "
+            "cancel the run (runcap cancel RUN_ID)",
+            param="deadline",
+        )
     if deadline is not None and deadline - now > caps.max_run_seconds:
         raise InvalidRequest(
             f"deadline: more than caps.max_run_seconds = {caps.max_run_seconds:g} s away", param="deadline"

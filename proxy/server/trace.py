@@ -233,6 +233,20 @@ class TraceStep:
             attributes["final_step"] = "true"
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
+        if flow.no_answer:
+            # No model output: the step was given back (the next call has the same step number).
+            attributes["step.counted"] = "false"
+        if any(flow.usage_reserved):
+            # Cut short: the settled figures are partly the reservation, not reported usage.
+            seen = flow.usage_seen
+            for name, reserved, seen_tokens in (
+                ("input", flow.usage_reserved[0], seen.input_tokens if seen else 0),
+                ("output", flow.usage_reserved[1], seen.output_tokens if seen else 0),
+            ):
+                attributes[f"usage.{name}"] = "reserved" if reserved else "reported"
+                attributes[f"usage.seen_{name}_tokens"] = str(seen_tokens)
+        if state is not None and state.upstream_failures:
+            attributes["upstream.failures"] = str(state.upstream_failures)
         bodies.extend(context_record(flow, rec, attributes, is_error))
         model_span = Span(
             run_id=flow.run.run_id,

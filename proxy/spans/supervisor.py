@@ -7,6 +7,13 @@ appending, asks it to drain (SIGTERM) and waits for it.
 
 The shipper dies with its parent (`PR_SET_PDEATHSIG`): after a `kill -9` of `serve`, no orphan
 keeps the data directory's chdb and shipper lock; the next `serve` starts a fresh one.
+
+Shutdown order: the proxy stops appending first, then the shipper drains. A SIGTERM to the whole
+process group (what `timeout` and systemd send) reaches the shipper too; it takes only its
+supervisor's SIGTERM as the order to drain (it reads who sent the signal), so it keeps shipping
+while the workers finish their requests, and the supervisor does not take its exit for a crash.
+Shutdown logs one line when draining starts (`serve`) and one when the shipper is done, with
+what is left in the WAL.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import signal
 import threading
 import time
 from pathlib import Path
+
+import orjson
 
 from proxy.config import Config
 
@@ -42,7 +51,10 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_timeout_s: float) -> None:
-    """The shipper process: ship until SIGTERM/SIGINT, then drain (bounded) and exit."""
+    """The shipper process: ship until its supervisor's SIGTERM, then drain (bounded) and exit."""
+    # Blocked before any thread exists (they inherit the mask): SIGTERM is taken only by
+    # `_wait_for_stop`, which can tell who sent it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     die_with_parent(parent_pid)
     if config.shipper_nice:
         # Below the proxy: on a busy machine the request path gets the cores first, and the WAL
@@ -55,8 +67,6 @@ def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_ti
     # own line per failed attempt would repeat it every retry.
     for noisy in ("clickhouse_connect", "urllib3.connectionpool"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # Ctrl-C reaches the whole process group: the supervisor stops the shipper after the proxy.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from proxy.spans.setup import open_shipper
@@ -66,9 +76,38 @@ def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_ti
         (Path(config.data_dir) / PID_FILE).write_text(f"{os.getpid()}\n")
     shipper.start()
     log.info('{"event": "shipper started", "pid": %d, "restarts": %d}', os.getpid(), restarts)
-    while not stop.wait(1.0):
-        pass
+    _wait_for_stop(parent_pid)
     shipper.stop(drain_timeout_s)
+    try:
+        stats = shipper.stats()
+        left = {name: sink["unshipped_bytes"] for name, sink in stats["sinks"].items()}
+        wal = stats["wal_bytes"]
+    except Exception:  # the numbers are a courtesy: the WAL and cursors are the truth
+        left, wal = {}, -1
+    # What is left stays in the WAL and is shipped at the next start: nothing is lost.
+    log.info(
+        '{"event": "shipper drained", "pid": %d, "wal_bytes": %d, "unshipped_bytes": %s}',
+        os.getpid(), wal, orjson.dumps(left).decode(),
+    )  # fmt: skip
+
+
+def _wait_for_stop(parent_pid: int) -> None:
+    """Until the supervisor (`parent_pid`) sends SIGTERM. A SIGTERM from anyone else — the
+    process group's, from systemd or `timeout` — is noted and waited out: the supervisor sends
+    its own once the proxy has stopped appending (and this process dies with its parent)."""
+    noted = False
+    while True:
+        info = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+        if info is None:
+            continue
+        if info.si_pid in (parent_pid, 0) or os.getppid() != parent_pid:
+            return
+        if not noted:
+            noted = True
+            log.info(
+                '{"event": "shipper: SIGTERM from pid %d; shipping until runcap has drained its requests"}',
+                info.si_pid,
+            )
 
 
 class ShipperSupervisor:
@@ -112,6 +151,8 @@ class ShipperSupervisor:
             proc.join()
             if self._stopping.is_set():
                 return
+            if self._asked_to_stop(proc):
+                return
             if time.monotonic() - started > 30:
                 delay = self.restart_delay_s  # it ran a while: a fresh failure, not a crash loop
             log.error(
@@ -122,6 +163,14 @@ class ShipperSupervisor:
             if self._stopping.wait(delay):
                 return
             delay = min(delay * 2, self.max_restart_delay_s)
+
+    def _asked_to_stop(self, proc: multiprocessing.process.BaseProcess, grace_s: float = 5.0) -> bool:
+        """The shipper exited on a SIGTERM (or drained and exited after one) that did not come
+        from `stop()`: when `serve` got the same signal (a process group's), `stop()` follows
+        within moments — no restart, no error. Else someone stopped the shipper alone: False."""
+        if proc.exitcode not in (0, -signal.SIGTERM):
+            return False
+        return self._stopping.wait(grace_s)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Drain and stop the shipper (call it after the proxy processes have exited)."""
