@@ -276,7 +276,7 @@ def _usd(raw: str | None) -> int | None:
     d = Decimal(text) if _DECIMAL_RE.fullmatch(text) else None
     if d is None:
         raise InvalidRequest(
-            f"X-Run-Max-Usd: {raw[:40]!r} is not a dollar amount (a plain decimal like 2.50: ASCII "
+            f"X-Run-Max-Usd: {raw[:40]!r} is not a dollar amount (a decimal like 2.50: plain ASCII "
             "digits and one point, no sign, exponent or separator)",
             param="X-Run-Max-Usd",
         )

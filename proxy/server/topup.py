@@ -119,8 +119,18 @@ def _usd(raw: Any) -> Decimal:
     return d
 
 
+_LAST_UNIX_SECOND = 253_402_300_799  # 9999-12-31T23:59:59Z
+
+
 def _deadline(raw: Any) -> float:
     if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        # Unix seconds between 1970 and the year 9999: anything else is no deadline at all (and
+        # would not even format as a date)
+        if not 0 <= raw <= _LAST_UNIX_SECOND:
+            raise InvalidRequest(
+                f"deadline: {raw!r} Unix seconds is outside 0..{_LAST_UNIX_SECOND} (1970 to the year 9999)",
+                param="deadline",
+            )
         return float(raw)
     if isinstance(raw, str):
         try:
