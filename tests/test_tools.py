@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO, RuncapProcess
+from tests.support.redis_server import wait_subscribed
 from tests.support.tool_service import ToolService
 
 
@@ -373,13 +375,18 @@ async def test_two_replicas_sharing_redis(runcap_factory, tool, redis_server, tm
 
 
 async def test_cancel_on_one_replica_aborts_calls_on_another(
-    runcap_factory, tool, upstream, redis_server, tmp_path
+    runcap_factory, tool, upstream, redis_server, tmp_path, caplog
 ):  # type: ignore[no-untyped-def]
     cfg = tools_config(tool, redis_url=redis_server.url)
     a = await runcap_factory(cfg, data_dir=tmp_path / "a")
     b = await runcap_factory(cfg, data_dir=tmp_path / "b")
-    await asyncio.sleep(0.2)  # subscribers up
-    await _cancel_scenario(b, a, tool, upstream, rid("cxr"))
+    await wait_subscribed(redis_server.url, b.ledger.backend.cancel_channel, 2)  # both replicas listen
+    run = rid("cxr")
+    with caplog.at_level(logging.INFO, logger="runcap.cancel"):
+        await _cancel_scenario(b, a, tool, upstream, run)
+    # The cancel reached b by the pub/sub push, not by the slow poll that backs it up.
+    via = [r.getMessage() for r in caplog.records if r.name == "runcap.cancel" and run in r.getMessage()]
+    assert via and all('"via": "pubsub"' in m for m in via), via
 
 
 # -- kill -9 and reconcile ---------------------------------------------------------------------
