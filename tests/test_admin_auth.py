@@ -12,13 +12,27 @@ on, not ones it refused for another reason).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from proxy.caps import RunCaps
+from proxy.errors import Unauthorized
 from proxy.ledger.base import UNKNOWN, Settlement, StepRequest, ToolCallRequest
+from proxy.server.auth import (
+    ADMIN_TOKEN_FILE,
+    CLIENT_TOKEN_HEADER,
+    AdminGuard,
+    ClientAuth,
+    cli_admin_token,
+    ensure_admin_token,
+    read_admin_token,
+)
 
 # Routes any loopback client may call: the proxy routes (the agent's) and the probes.
 PUBLIC = frozenset(
@@ -140,3 +154,66 @@ async def test_every_admin_route_refuses_every_wrong_authorization(runcap) -> No
                 assert r.status != 401, (method, template, await r.text())
     after = await ledger_view(ledger)
     assert after[1] is True and after[-1] == []  # cancelled, and the unknown record resolved
+
+
+# -- the parts of proxy/server/auth.py on their own (what the mutation run of issue 28 asked for) --
+
+ADMIN_401 = (
+    "admin endpoint: send Authorization: Bearer <admin token> (RUNCAP_ADMIN_TOKEN, or the "
+    "token runcap generated in its data directory's admin.token)"
+)
+
+
+def request_with(headers: dict[str, str]) -> web.Request:
+    return make_mocked_request("GET", "/runs/r", headers=headers)
+
+
+def test_the_guard_says_where_the_token_is_and_needs_one() -> None:
+    guard = AdminGuard("s3cret-token-0123456789")
+    guard.check(request_with({"Authorization": "Bearer s3cret-token-0123456789"}))
+    with pytest.raises(Unauthorized) as e:
+        guard.check(request_with({}))
+    assert e.value.message == ADMIN_401 and e.value.status == 401
+    with pytest.raises(ValueError, match=r"^AdminGuard needs a token$"):
+        AdminGuard("")
+
+
+def test_client_tokens_name_their_header_and_say_when_the_token_is_unknown() -> None:
+    auth = ClientAuth({"acme-token-0123456789": "acme"})
+    assert auth.enabled and not ClientAuth({}).enabled
+    assert ClientAuth({}).tenant(request_with({})) is None
+    assert auth.tenant(request_with({CLIENT_TOKEN_HEADER: "acme-token-0123456789"})) == "acme"
+    shared = (
+        f"{CLIENT_TOKEN_HEADER}: this runcap is shared ([auth] client_tokens); send your client token "
+        "in this header"
+    )
+    for headers, message in (
+        ({}, shared),
+        ({CLIENT_TOKEN_HEADER: "acme-token-012345678"}, shared + " — the one sent is not known"),
+    ):
+        with pytest.raises(Unauthorized) as e:
+            auth.tenant(request_with(headers))
+        assert (e.value.message, e.value.param) == (message, CLIENT_TOKEN_HEADER)
+
+
+def test_the_cli_token_is_the_environments_then_the_configured_then_the_generated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generated = ensure_admin_token(tmp_path)
+    monkeypatch.setenv("RUNCAP_ADMIN_TOKEN", "from-env")
+    assert cli_admin_token("configured", tmp_path) == "from-env"
+    monkeypatch.delenv("RUNCAP_ADMIN_TOKEN")
+    assert cli_admin_token("configured", tmp_path) == "configured"
+    assert cli_admin_token(None, tmp_path) == generated
+    assert cli_admin_token(None, tmp_path / "elsewhere") is None
+
+
+def test_the_generated_token_is_256_bits_kept_0600_and_reused(tmp_path: Path) -> None:
+    nested = tmp_path / "a" / "b"  # parents are created
+    token = ensure_admin_token(nested)
+    assert len(token) == 43 and read_admin_token(nested) == token  # token_urlsafe(32): 256 bits
+    assert (nested / ADMIN_TOKEN_FILE).stat().st_mode & 0o777 == 0o600
+    assert ensure_admin_token(nested) == token
+    existing = tmp_path / "existing"  # a data directory that exists, without a token yet
+    existing.mkdir()
+    assert len(ensure_admin_token(existing)) == 43
