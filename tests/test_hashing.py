@@ -29,7 +29,7 @@ def test_canonical_json_is_sorted_compact_utf8_with_integral_floats_as_integers(
     deep: list[object] = []
     for _ in range(5_000):
         deep = [deep]
-    with pytest.raises(ValueError, match="nested too deep to canonicalise"):
+    with pytest.raises(ValueError, match=r"^nested too deep to canonicalise$"):
         canonical_json(deep)
 
 
