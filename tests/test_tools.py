@@ -412,11 +412,12 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         text += f'redis_url = "redis://127.0.0.1:{server.port}/1"\n'
     config.write_text(text + f'[tools.refund]\nurl = "{tool.url}/refund"\nside_effects = true\n')
     proc = RuncapProcess(config, tmp_path / "data")
+    run = rid("crash")  # Redis database 1 outlives the test: a run id of its own
     proc.start()
     try:
         url = f"{proc.url}/tools/refund"
         in_flight = [
-            asyncio.create_task(call(url, "crash", {"order_id": o, "amount": 1, "sleep_s": 30}))
+            asyncio.create_task(call(url, run, {"order_id": o, "amount": 1, "sleep_s": 30}))
             for o in ("A", "B")
         ]
         await wait_for(lambda: tool.executions == 2)
@@ -428,7 +429,7 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         # SQLite: the restarted process finds the dead owner's lock free at start-up. Redis: the
         # repeat waits (the call looks in flight) until the dead replica's heartbeat expires.
         for order in ("A", "B"):
-            s, h, body = await call(url, "crash", {"order_id": order, "amount": 1, "sleep_s": 30})
+            s, h, body = await call(url, run, {"order_id": order, "amount": 1, "sleep_s": 30})
             assert s == 409 and body["error"]["type"] == "idempotency_outcome_unknown"
             assert h["x-should-retry"] == "false"
         assert tool.executions == 2
@@ -440,7 +441,7 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         rows = json.loads(listed.stdout)
         assert {r["state"] for r in rows} == {"unknown"} and len(rows) == 2
         assert all(
-            r["run_id"] == "crash" and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows
+            r["run_id"] == run and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows
         )
         table = cli(*at)
         assert "run_id" in table.stdout and "unknown" in table.stdout
@@ -456,10 +457,10 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         assert again.returncode == 1
 
         # A replays the operator's outcome; B (same arguments as the crashed call) executes now.
-        s, h, body = await call(url, "crash", {"order_id": "A", "amount": 1, "sleep_s": 30})
+        s, h, body = await call(url, run, {"order_id": "A", "amount": 1, "sleep_s": 30})
         assert s == 200 and h["X-Idempotent-Replay"] == "true" and body == {"refund": "r-A"}
         tool.max_sleep_s = 0
-        s, h, body = await call(url, "crash", {"order_id": "B", "amount": 1, "sleep_s": 30})
+        s, h, body = await call(url, run, {"order_id": "B", "amount": 1, "sleep_s": 30})
         assert s == 200 and "X-Idempotent-Replay" not in h and body["execution"] == 3
         assert tool.executions == 3 and json.loads(tool.hits[-1].body)["order_id"] == "B"
     finally:
