@@ -215,19 +215,18 @@ def scratch_copy(name: str) -> Path:
     return root
 
 
-def setup_cfg(target: Target) -> str:
+def setup_cfg(target: Target, work: Path) -> str:
+    # Everything tests read besides proxy/ and tests/ (queries/ behind proxy/sql, dashboards/,
+    # docker-compose.yml...) goes into mutmut's copy of the tree too.
+    also = sorted(p.name + ("/" if p.is_dir() else "") for p in work.iterdir() if p.name not in _OWN)
     lines = [
         "[mutmut]",
         "source_paths = proxy/",
         f"only_mutate = {target.module}",
         "pytest_add_cli_args_test_selection =",
         *(f"    {arg}" for arg in target.tests),
-        # what tests read besides proxy/ and tests/ (proxy/sql links to queries/)
         "also_copy =",
-        "    queries/",
-        "    dashboards/",
-        "    examples/",
-        "    deploy/",
+        *(f"    {name}" for name in also),
         "pytest_add_cli_args =",
         "    -p",
         "    no:cacheprovider",
@@ -236,13 +235,14 @@ def setup_cfg(target: Target) -> str:
     return "\n".join(lines)
 
 
+_OWN = {"proxy", "tests", "setup.cfg", "mutants", "pyproject.toml", "mutmut-run.log"}
 _RESULT = re.compile(r"^\s*(\S+): (.+?)\s*$")
 
 
 def run_target(name: str, target: Target, mutmut: Path, max_children: int, timeout: float) -> Score:
     score = Score(name, target)
     work = scratch_copy(name)
-    (work / "setup.cfg").write_text(setup_cfg(target))
+    (work / "setup.cfg").write_text(setup_cfg(target, work))
     module = target.module.removesuffix(".py").replace("/", ".")
     globs = [f"{module}.{f}" for f in target.functions]
     started = time.monotonic()
