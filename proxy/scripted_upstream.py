@@ -26,6 +26,9 @@ Token accounting is deterministic so that tests can assert exact usage (see `cou
   A step's `input_tokens` replaces this; a step's cache tokens raise it when they exceed it.
 * output = reasoning tokens + count_tokens(text) + Σ count_tokens(tool-call arguments JSON), at
   least 1. The output-token limit of the request is honoured by truncating the answer.
+* `tokenizer=InputTokenizer(...)` counts input otherwise: ceil(bytes / 4) is runcap's own
+  estimate, so a test whose oracle must not be the code under test counts each word on its own,
+  denser or sparser than that (`InputTokenizer.per_word`).
 
 Steps (dicts in scripts, validated into `Step`):
 
@@ -418,16 +421,42 @@ def _text_of(content: Any, parts: list[str]) -> int:
     return images
 
 
-def _message_tokens(parts: list[str], images: int) -> int:
-    return TOKENS_PER_MESSAGE + count_tokens("".join(parts)) + TOKENS_PER_IMAGE * images
+@dataclass(frozen=True, slots=True)
+class InputTokenizer:
+    """How the server counts input tokens. The default — ceil(UTF-8 bytes / 4) of a message's
+    text, 3 per request, 4 per message — is also runcap's own estimate. `per_word` counts every
+    whitespace-separated word of each text part as ceil(bytes / `bytes_per_token`) tokens, at
+    least one (tiktoken and SentencePiece never merge across the space between two words): with
+    2 bytes a token it is denser than the estimate, with a large one it is one token a word."""
+
+    bytes_per_token: int = 4
+    per_word: bool = False
+    base: int = BASE_INPUT_TOKENS
+    per_message: int = TOKENS_PER_MESSAGE
+
+    @classmethod
+    def words(cls, bytes_per_token: int, *, base: int = 0, per_message: int = 0) -> InputTokenizer:
+        return cls(bytes_per_token, per_word=True, base=base, per_message=per_message)
+
+    def text(self, text: str) -> int:
+        n = self.bytes_per_token
+        if not self.per_word:
+            return (len(text.encode()) + n - 1) // n
+        return sum((len(word.encode()) + n - 1) // n for word in text.split())
+
+    def message(self, parts: list[str], images: int) -> int:
+        text = sum(self.text(p) for p in parts) if self.per_word else self.text("".join(parts))
+        return self.per_message + text + TOKENS_PER_IMAGE * images
+
+    def tools(self, tools: Any) -> int:
+        return self.text(orjson.dumps(tools).decode()) if tools else 0
 
 
-def _tools_tokens(tools: Any) -> int:
-    return count_tokens(orjson.dumps(tools).decode()) if tools else 0
+BYTES_4 = InputTokenizer()
 
 
-def chat_input_tokens(body: dict[str, Any]) -> int:
-    total = BASE_INPUT_TOKENS + _tools_tokens(body.get("tools"))
+def chat_input_tokens(body: dict[str, Any], tok: InputTokenizer = BYTES_4) -> int:
+    total = tok.base + tok.tools(body.get("tools"))
     for msg in body.get("messages") or ():
         parts: list[str] = []
         images = _text_of(msg.get("content"), parts)
@@ -435,17 +464,17 @@ def chat_input_tokens(body: dict[str, Any]) -> int:
             fn = call.get("function") or {}
             parts.append(fn.get("name") or "")
             parts.append(fn.get("arguments") or "")
-        total += _message_tokens(parts, images)
+        total += tok.message(parts, images)
     return total
 
 
-def responses_input_tokens(body: dict[str, Any]) -> int:
-    total = BASE_INPUT_TOKENS + _tools_tokens(body.get("tools"))
+def responses_input_tokens(body: dict[str, Any], tok: InputTokenizer = BYTES_4) -> int:
+    total = tok.base + tok.tools(body.get("tools"))
     if body.get("instructions"):
-        total += _message_tokens([body["instructions"]], 0)
+        total += tok.message([body["instructions"]], 0)
     items = body.get("input")
     if isinstance(items, str):
-        return total + _message_tokens([items], 0)
+        return total + tok.message([items], 0)
     for item in items or ():
         parts: list[str] = []
         images = 0
@@ -457,21 +486,21 @@ def responses_input_tokens(body: dict[str, Any]) -> int:
             images = _text_of(item.get("output"), parts)
         else:
             images = _text_of(item.get("content"), parts)
-        total += _message_tokens(parts, images)
+        total += tok.message(parts, images)
     return total
 
 
-def anthropic_input_tokens(body: dict[str, Any]) -> int:
+def anthropic_input_tokens(body: dict[str, Any], tok: InputTokenizer = BYTES_4) -> int:
     """All input tokens of a messages request (before splitting off cache reads and writes)."""
-    total = BASE_INPUT_TOKENS + _tools_tokens(body.get("tools"))
+    total = tok.base + tok.tools(body.get("tools"))
     if body.get("system"):
         parts: list[str] = []
         _text_of(body["system"], parts)
-        total += _message_tokens(parts, 0)
+        total += tok.message(parts, 0)
     for msg in body.get("messages") or ():
         parts = []
         images = _text_of(msg.get("content"), parts)
-        total += _message_tokens(parts, images)
+        total += tok.message(parts, images)
     return total
 
 
@@ -729,7 +758,9 @@ class ScriptedUpstream:
         *,
         record: bool = True,
         chunk_chars: int = 16,
+        tokenizer: InputTokenizer = BYTES_4,
     ) -> None:
+        self.tokenizer = tokenizer  # may be changed while running
         self.scripts: dict[str, list[Step | Mapping[str, Any]]] = {DEFAULT_SCRIPT: [_DEFAULT_STEP]}
         self.scripts.update(_parse_scripts(scripts or {}))
         self.requests: list[RecordedRequest] = []
@@ -1043,7 +1074,8 @@ class ScriptedUpstream:
         if step.status:
             return self._openai_step_error(rec, step)
         tools_allowed = bool(body.get("tools") or body.get("functions")) and body.get("tool_choice") != "none"
-        ans = self._answer(rec, step, chat_input_tokens(body), limit, tools_allowed, "call_")
+        tokens = chat_input_tokens(body, self.tokenizer)
+        ans = self._answer(rec, step, tokens, limit, tools_allowed, "call_")
         finish = "length" if ans.truncated else "tool_calls" if ans.calls else "stop"
         usage = _openai_usage(ans)
         model = body["model"]
@@ -1270,7 +1302,8 @@ class ScriptedUpstream:
             return self._openai_step_error(rec, step)
         tools = body.get("tools") or []
         tools_allowed = bool(tools) and body.get("tool_choice") != "none"
-        ans = self._answer(rec, step, responses_input_tokens(body), limit, tools_allowed, "call_")
+        tokens = responses_input_tokens(body, self.tokenizer)
+        ans = self._answer(rec, step, tokens, limit, tools_allowed, "call_")
         rid = self._new_id("resp_")
         headers = self._openai_headers(step)
 
@@ -1512,7 +1545,7 @@ class ScriptedUpstream:
             rec, body = await self._begin(request)
         except _BadRequest as e:
             return self._anthropic_fail(rec, e.message)
-        tokens = anthropic_input_tokens(body)
+        tokens = anthropic_input_tokens(body, self.tokenizer)
         return self._json(rec, 200, orjson.dumps({"input_tokens": tokens}), self._anthropic_headers(None))
 
     async def _messages(
@@ -1548,7 +1581,8 @@ class ScriptedUpstream:
             return self._json(rec, step.status, err, headers)
         tool_choice = body.get("tool_choice") or {}
         tools_allowed = bool(body.get("tools")) and tool_choice.get("type") != "none"
-        ans = self._answer(rec, step, anthropic_input_tokens(body), limit, tools_allowed, "toolu_")
+        tokens = anthropic_input_tokens(body, self.tokenizer)
+        ans = self._answer(rec, step, tokens, limit, tools_allowed, "toolu_")
         # Anthropic cannot return a half-written tool_use block's input: a cut call is dropped.
         calls = [c for c in ans.calls if not c.partial]
         stop = "max_tokens" if ans.truncated else "tool_use" if calls else "end_turn"

@@ -184,3 +184,29 @@ def redis_server():  # type: ignore[no-untyped-def]
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+# -- skips: every one printed at the end; under CI a missing part fails (tests/support/parts.py) --
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A test module that skipped itself at import (`pytest.importorskip`: its part is missing)
+    is a failure under CI=true, where scripts/setup.sh must have installed the part."""
+    from tests.support.parts import in_ci
+
+    if report.skipped and in_ci():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"missing part under CI=true (scripts/setup.sh should provide it): {reason}"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """What the suite did not run, and why — a skip is never silent."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    terminalreporter.section(f"{len(skipped)} skipped", sep="-")
+    for rep in skipped:
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        terminalreporter.line(f"SKIPPED {rep.nodeid}: {reason}")

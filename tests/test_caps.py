@@ -96,6 +96,32 @@ async def test_token_cap(runcap, upstream):  # type: ignore[no-untyped-def]
     assert run["status"] == "budget_exceeded"
 
 
+async def test_token_cap_clamps_an_answer_that_would_write_past_it(runcap, upstream):  # type: ignore[no-untyped-def]
+    """The upstream would write 900 tokens each call; what the run has left is less. Each call is
+    sent with the output limit lowered to what is left after its input bound, the upstream writes
+    exactly that, and the run's settled tokens never pass the cap."""
+    upstream.scripts["long"] = [{"text_tokens": 900}]
+    c = client(runcap, retries=0)
+    h = {"X-Run-Id": "tok-clamp", "X-Run-Max-Tokens": "1500", "X-Mock-Script": "long"}
+    first = await c.chat.completions.create(model="gpt-4o-mini", messages=USER, extra_headers=h)
+    assert first.usage is not None and first.usage.completion_tokens == 900  # it fitted: not clamped
+    used = first.usage.total_tokens
+    second = await c.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=USER, max_tokens=900, extra_headers=h
+    )
+    sent = upstream.last.body
+    limit = sent.get("max_completion_tokens") or sent.get("max_tokens")
+    answer = second.parse()
+    assert answer.usage is not None
+    assert isinstance(limit, int) and limit < 900 and limit <= 1500 - used - answer.usage.prompt_tokens
+    assert answer.usage.completion_tokens == limit
+    assert answer.choices[0].finish_reason == "length"
+    assert second.headers["x-run-clamped-output-tokens"] == str(limit)
+    run = await runcap.run("tok-clamp")
+    assert run["input_tokens"] + run["output_tokens"] <= 1500
+    assert run["input_tokens"] + run["output_tokens"] == used + answer.usage.total_tokens
+
+
 async def test_step_cap_answer_only_final_step(runcap, upstream):  # type: ignore[no-untyped-def]
     upstream.scripts["loop"] = [{"tool_calls": [{"name": "lookup", "arguments": {"q": "x"}}]}]
     c = client(runcap)
@@ -182,6 +208,8 @@ async def test_deadline_mid_stream_ends_stream_with_error_event(runcap, upstream
         async for _chunk in stream:
             pass
     assert "deadline" in str(e.value.message)
+    # The stream's own error event (the SDK raises APIError itself), not a cut connection.
+    assert type(e.value) is openai.APIError, type(e.value)
     run = await runcap.run("dls")
     assert run["status"] == "deadline_exceeded"
     assert run["output_tokens"] > 0  # cut before usage: settled at what was reserved

@@ -45,6 +45,7 @@ from proxy.pricing import PriceBook
 from proxy.scripted_upstream import FALLBACK_TEXT, ScriptedUpstream
 from proxy.server.app import RUNTIME, build_app
 from tests.conftest import FAST_SPANS, REPO, runcap_config
+from tests.support.parts import missing
 
 # One event loop for the module: some clients (langchain-openai's, LiteLLM's) cache their HTTP
 # client across calls, and a client bound to a previous test's closed loop would fail.
@@ -475,11 +476,11 @@ def framework(request: pytest.FixtureRequest) -> Framework:
     fw: Framework = request.param
     if fw.needs_node:
         if shutil.which("node") is None:
-            pytest.skip(
+            missing(
                 "SKIPPED LOUDLY: node is not installed — scripts/setup.sh installs nodejs for the test extra"
             )
         if not (NODE_DIR / "node_modules" / "ai").is_dir():
-            pytest.skip(
+            missing(
                 "SKIPPED LOUDLY: the Vercel AI SDK is not installed in tests/node — run scripts/setup.sh"
             )
     return fw

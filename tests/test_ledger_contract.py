@@ -42,6 +42,7 @@ from proxy.ledger.base import (
 )
 from proxy.ledger.redis import RedisLedger
 from proxy.ledger.sqlite import SQLiteLedger
+from tests.support.redis_server import wait_subscribed
 
 USD = 1_000_000_000
 
@@ -141,6 +142,38 @@ async def test_reserve_settle_arithmetic(make_ledger):  # type: ignore[no-untype
     assert (await led.get_run("big")).caps.max_usd_nanos == 999_999_999 * USD + 1
 
 
+async def test_the_output_limit_is_clamped_to_what_each_cap_affords(make_ledger):  # type: ignore[no-untyped-def]
+    """The worst case must fit what is left: the output limit is lowered to exactly what the cap
+    affords after the input bound and what calls in flight reserved, and says it was clamped."""
+    led = make_ledger()
+    # Tokens: 1,000 cap - 100 input = 900 affordable; the client asked for 4,000.
+    res = await led.begin_step(step("tok", RunCaps(max_tokens=1000), output=4000))
+    assert (res.output_limit, res.output_tokens, res.clamped, res.tokens) == (900, 900, True, 1000)
+    assert (await led.get_run("tok")).reserved_tokens == 1000
+    await led.settle(res, Settlement(input_tokens=100, output_tokens=300), time.time())
+    # 600 left - 100 input = 500; no client limit: the model's 4,096 is clamped.
+    res = await led.begin_step(step("tok", RunCaps(max_tokens=1000), output=None))
+    assert (res.output_limit, res.output_tokens, res.clamped) == (500, 500, True)
+    # Dollars: $0.001 cap - 100 input tokens at $1/M ($0.0001) = $0.0009 = 450 output tokens at $2/M.
+    res = await led.begin_step(step("usd", RunCaps(max_usd_nanos=1_000_000), output=4000))
+    assert (res.output_limit, res.output_tokens, res.clamped, res.usd_nanos) == (450, 450, True, 1_000_000)
+    # A second call in flight gets only what the first left: $0 → refused; after settling the
+    # first at 100 output tokens ($0.0003 spent), 700,000 nanos are left: 300 output tokens.
+    with pytest.raises(BudgetExceeded):
+        await led.begin_step(step("usd", RunCaps(max_usd_nanos=1_000_000), output=4000))
+    settled = Settlement(input_tokens=100, output_tokens=100, cost_usd_nanos=300_000)
+    await led.settle(res, settled, time.time())
+    res = await led.begin_step(step("usd", RunCaps(max_usd_nanos=1_000_000), output=4000))
+    assert (res.output_limit, res.clamped) == (300, True)
+    # Both caps: the tighter one decides.
+    both = RunCaps(max_usd_nanos=1_000_000, max_tokens=300)
+    res = await led.begin_step(step("both", both, output=4000))
+    assert (res.output_limit, res.clamped) == (200, True)
+    # A request that fits is not touched.
+    res = await led.begin_step(step("fits", RunCaps(max_tokens=1000, max_usd_nanos=USD), output=100))
+    assert (res.output_limit, res.output_tokens, res.clamped) == (None, 100, False)
+
+
 async def test_concurrent_reservations_never_overshoot(make_ledger):  # type: ignore[no-untyped-def]
     leds = [make_ledger(), make_ledger()]  # two instances on one store (two processes / replicas)
     cap = RunCaps(max_usd_nanos=3_000_000)  # room for 10 calls of 300 µ$
@@ -212,13 +245,13 @@ async def test_cancel_visible_to_every_instance(make_ledger):  # type: ignore[no
         await a.begin_step(step("never-seen", RunCaps()))
 
 
-async def test_cancel_is_pushed_to_other_redis_instances(make_ledger):  # type: ignore[no-untyped-def]
+async def test_cancel_is_pushed_to_other_redis_instances(make_ledger, request):  # type: ignore[no-untyped-def]
     if make_ledger.backend != "redis":
         pytest.skip("SQLite has no push: runcap polls the cancel flags of runs in flight")
     a, b = make_ledger(), make_ledger()
     events = b.cancel_events()
     got = asyncio.create_task(events.__anext__())
-    await asyncio.sleep(0.2)  # subscribed
+    await wait_subscribed(request.getfixturevalue("redis_server").url, b.cancel_channel, 1)
     await a.cancel("pushed", time.time())
     assert await asyncio.wait_for(got, 5) == "pushed"
     await events.aclose()

@@ -85,8 +85,10 @@ async def test_cancel_aborts_in_flight_and_refuses_later_calls(runcap_factory, u
             assert r.status == 200
             body = await r.json()
     assert body["status"] == "cancelled" and body["aborted_in_flight"] == 1
-    with pytest.raises(openai.APIError):
+    with pytest.raises(openai.APIError) as e:
         await task
+    # The stream ends with runcap's error event naming the cancel, not a cut connection.
+    assert type(e.value) is openai.APIError and "cancel" in e.value.message.lower(), repr(e.value)
     for _ in range(50):
         if upstream.last.disconnected:
             break

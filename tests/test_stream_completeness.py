@@ -267,6 +267,39 @@ def test_closing_events_make_a_stream_complete() -> None:
     assert not cut.info.complete and cut.info.error == "server_error: boom"
 
 
+def test_an_oversized_event_after_the_closing_event_still_leaves_the_stream_unread() -> None:
+    """Decided (issue 28): not an equivalent mutant. The closing event is the last one a stream
+    reads, so an overflow can only follow it — and bytes relayed unread after it (a hostile or
+    broken upstream's megabyte) are bytes runcap cannot vouch for. The stream stays incomplete and
+    is settled at least at its reservation, never below what the provider may bill."""
+    start = {"type": "message_start", "message": {"id": "m", "model": "c", "usage": {"input_tokens": 5}}}
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 9}}
+    choice = {"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}
+    usage = {"id": "c", "model": "m", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    tokens = {"input_tokens": 4, "output_tokens": 2}
+    done = {"id": "r", "model": "m", "status": "completed", "output": [], "usage": tokens}
+    completed = {"type": "response.completed", "response": done}
+    chunk = {"id": "c", "model": "m", "choices": [choice]}
+    closings = {
+        "messages": (MessagesAdapter().stream_reader(False), [start, delta, {"type": "message_stop"}]),
+        "chat": (ChatCompletionsAdapter().stream_reader(False), [chunk, usage, "[DONE]"]),
+        "chat-strip": (ChatCompletionsAdapter().stream_reader(True), [chunk, usage, "[DONE]"]),
+        "responses": (ResponsesAdapter().stream_reader(False), [completed]),
+    }
+    oversized = b"data: " + b"z" * (2 << 20) + b"\n\n"
+    for name, (reader, events) in closings.items():
+        for event in events:
+            data = event.encode() if isinstance(event, str) else orjson.dumps(event)
+            reader.feed(b"data: " + data + b"\n\n")
+        assert reader.info.complete, f"{name}: closed and fully read"
+        relayed = reader.feed(oversized[: 1 << 20]) + reader.feed(oversized[1 << 20 :]) + reader.close()
+        assert relayed == oversized, f"{name}: the trailing event is relayed as it came"
+        info = reader.info
+        assert not info.complete, f"{name}: an event relayed unread leaves the stream incomplete"
+        assert f"longer than {1 << 20} bytes" in info.error, (name, info.error)
+        assert info.usage is not None  # what was read before still counts
+
+
 # --- provider-held context: Anthropic message threads, Responses stored context -----------------
 
 

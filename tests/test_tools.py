@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO, RuncapProcess
+from tests.support.redis_server import wait_subscribed
 from tests.support.tool_service import ToolService
 
 
@@ -310,8 +312,10 @@ async def _cancel_scenario(rc_call, rc_cancel, tool, upstream, run: str) -> None
         assert r.status == 200 and (await r.json())["status"] == "cancelled"
     status, _, body = await asyncio.wait_for(tool_call, 5)
     assert status == 410 and body["error"]["type"] == "run_cancelled"
-    with pytest.raises(openai.APIError):
+    with pytest.raises(openai.APIError) as e:
         await asyncio.wait_for(streaming, 5)
+    # The stream ends with runcap's error event naming the cancel, not a cut connection.
+    assert type(e.value) is openai.APIError and "cancel" in e.value.message.lower(), repr(e.value)
     await wait_for(lambda: tool.hits[0].disconnected, 3)
     await wait_for(lambda: upstream.last.disconnected, 3)
     assert time.monotonic() - t0 < 3.0  # promptly
@@ -373,13 +377,18 @@ async def test_two_replicas_sharing_redis(runcap_factory, tool, redis_server, tm
 
 
 async def test_cancel_on_one_replica_aborts_calls_on_another(
-    runcap_factory, tool, upstream, redis_server, tmp_path
+    runcap_factory, tool, upstream, redis_server, tmp_path, caplog
 ):  # type: ignore[no-untyped-def]
     cfg = tools_config(tool, redis_url=redis_server.url)
     a = await runcap_factory(cfg, data_dir=tmp_path / "a")
     b = await runcap_factory(cfg, data_dir=tmp_path / "b")
-    await asyncio.sleep(0.2)  # subscribers up
-    await _cancel_scenario(b, a, tool, upstream, rid("cxr"))
+    await wait_subscribed(redis_server.url, b.ledger.backend.cancel_channel, 2)  # both replicas listen
+    run = rid("cxr")
+    with caplog.at_level(logging.INFO, logger="runcap.cancel"):
+        await _cancel_scenario(b, a, tool, upstream, run)
+    # The cancel reached b by the pub/sub push, not by the slow poll that backs it up.
+    via = [r.getMessage() for r in caplog.records if r.name == "runcap.cancel" and run in r.getMessage()]
+    assert via and all('"via": "pubsub"' in m for m in via), via
 
 
 # -- kill -9 and reconcile ---------------------------------------------------------------------
@@ -405,11 +414,12 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         text += f'redis_url = "redis://127.0.0.1:{server.port}/1"\n'
     config.write_text(text + f'[tools.refund]\nurl = "{tool.url}/refund"\nside_effects = true\n')
     proc = RuncapProcess(config, tmp_path / "data")
+    run = rid("crash")  # Redis database 1 outlives the test: a run id of its own
     proc.start()
     try:
         url = f"{proc.url}/tools/refund"
         in_flight = [
-            asyncio.create_task(call(url, "crash", {"order_id": o, "amount": 1, "sleep_s": 30}))
+            asyncio.create_task(call(url, run, {"order_id": o, "amount": 1, "sleep_s": 30}))
             for o in ("A", "B")
         ]
         await wait_for(lambda: tool.executions == 2)
@@ -421,7 +431,7 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         # SQLite: the restarted process finds the dead owner's lock free at start-up. Redis: the
         # repeat waits (the call looks in flight) until the dead replica's heartbeat expires.
         for order in ("A", "B"):
-            s, h, body = await call(url, "crash", {"order_id": order, "amount": 1, "sleep_s": 30})
+            s, h, body = await call(url, run, {"order_id": order, "amount": 1, "sleep_s": 30})
             assert s == 409 and body["error"]["type"] == "idempotency_outcome_unknown"
             assert h["x-should-retry"] == "false"
         assert tool.executions == 2
@@ -433,7 +443,7 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         rows = json.loads(listed.stdout)
         assert {r["state"] for r in rows} == {"unknown"} and len(rows) == 2
         assert all(
-            r["run_id"] == "crash" and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows
+            r["run_id"] == run and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows
         )
         table = cli(*at)
         assert "run_id" in table.stdout and "unknown" in table.stdout
@@ -449,10 +459,10 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         assert again.returncode == 1
 
         # A replays the operator's outcome; B (same arguments as the crashed call) executes now.
-        s, h, body = await call(url, "crash", {"order_id": "A", "amount": 1, "sleep_s": 30})
+        s, h, body = await call(url, run, {"order_id": "A", "amount": 1, "sleep_s": 30})
         assert s == 200 and h["X-Idempotent-Replay"] == "true" and body == {"refund": "r-A"}
         tool.max_sleep_s = 0
-        s, h, body = await call(url, "crash", {"order_id": "B", "amount": 1, "sleep_s": 30})
+        s, h, body = await call(url, run, {"order_id": "B", "amount": 1, "sleep_s": 30})
         assert s == 200 and "X-Idempotent-Replay" not in h and body["execution"] == 3
         assert tool.executions == 3 and json.loads(tool.hits[-1].body)["order_id"] == "B"
     finally:

@@ -96,3 +96,25 @@ class RedisServer:
         self.thaw()
         stop_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def wait_subscribed(url: str, channel: str, subscribers: int, timeout: float = 5.0) -> None:
+    """Until `channel` has at least `subscribers` (PUBSUB NUMSUB): the readiness signal of a
+    pub/sub listener, instead of a sleep that hopes it subscribed."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = dict(await client.pubsub_numsub(channel))
+            have = counts.get(channel.encode(), 0)
+            if have >= subscribers:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{channel}: {have} of {subscribers} subscribers after {timeout} s")
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()

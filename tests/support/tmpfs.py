@@ -9,18 +9,18 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests.support.parts import missing
 
 
 @contextlib.contextmanager
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+        missing("mounting a tmpfs needs root")
     mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
     done = subprocess.run(mount, capture_output=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+        missing(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
     try:
         yield path
     finally:

@@ -1,0 +1,366 @@
+"""Mutation testing of the modules that hold runcap's promises (issue 28), with mutmut 3.
+
+    .venv/bin/python scripts/mutation.py                 # every target, then docs/mutation.md
+    .venv/bin/python scripts/mutation.py auth url        # some targets
+    .venv/bin/python scripts/mutation.py --list          # the targets and their tests
+    .venv/bin/python scripts/mutation.py --table-only    # the doc again from docs/mutation.json
+    options: --max-children N (default 1: the machine is shared), --timeout S per target
+             (default 1800), --no-write (print the table, leave docs/mutation.md alone)
+
+Each target is one module — or the functions of one that hold the promise (the ledger's rules,
+not its dataclasses) — against the fast tests that should notice. Its run happens in a scratch
+copy of the working tree (git's tracked and untracked files, under $TMPDIR/runcap-mutation/),
+so the tree itself is never mutated; mutmut copies the sources again into `mutants/` there and
+runs only the tests that reach each mutated function, forked from one warm process.
+
+Score = killed / (mutants - equivalent). A mutant is killed when a test failed or timed out;
+"no tests" (no selected test reaches the function) and "survived" count against the score.
+Equivalent mutants are listed in EQUIVALENT below with the reason; each must be one no test can
+tell apart from the original. The table between the markers in docs/mutation.md is rewritten
+with the scores, the surviving mutants and the time each target took.
+
+Not part of scripts/test.sh (CI): it takes minutes per module. mutmut is installed into .venv
+on first use (not a runtime dependency of runcap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "mutation.md"
+RESULTS = REPO / "docs" / "mutation.json"  # per target: each mutant's status, the time it took
+BEGIN, END = "<!-- mutation:begin -->", "<!-- mutation:end -->"
+MUTMUT = "mutmut>=3.8,<4"
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str  # the file mutated
+    tests: tuple[str, ...]  # pytest arguments selecting its fast tests
+    functions: tuple[str, ...] = ()  # globs of mutmut's function names; () = the whole module
+    what: str = ""
+
+
+TARGETS: dict[str, Target] = {
+    "auth": Target(
+        "proxy/server/auth.py",
+        ("tests/test_admin_auth.py", "tests/test_trust_boundary.py", "-k", "token or tenant or admin"),
+        what="admin token and client tokens",
+    ),
+    "url": Target(
+        "proxy/server/upstream_url.py",
+        # (-k also matches module names: every test of test_upstream_url.py is in)
+        ("tests/test_upstream_url.py", "tests/test_trust_boundary.py", "-k", "url or path or segment"),
+        what="the upstream URL builder",
+    ),
+    "ledger-rules": Target(
+        "proxy/ledger/base.py",
+        ("tests/test_ledger_contract.py", "-k", "sqlite"),
+        functions=(
+            "x_apply_*",
+            "x_new_run*",
+            "x_merge_caps*",
+            "x_check_live*",
+            "x__set_status*",
+            "x_decide_step*",
+            "x__reserve*",
+            "x_nothing_to_enforce*",
+            "x_begin_unledgered_step*",
+            "x_settle_unledgered*",
+            "x_same_operation*",
+            "x__key_reused*",
+            "x_decide_tool_call*",
+        ),
+        what="caps, reservations, settlement, recovery, idempotency decisions (Redis runs them too)",
+    ),
+    "context": Target(
+        "proxy/server/context.py",
+        # (the span-recording test needs the embedded span store, which mutmut's forked runs lack)
+        ("tests/test_context_cap_oracle.py", "tests/test_context_signal.py", "-k", "not spans_metrics"),
+        functions=("x_text_words*", "x__has_unread*", "x_measure*", "xǁContextStepǁrequest*"),
+        what="the context step's measure and cap",
+    ),
+    "budget": Target(
+        "proxy/server/budget.py",
+        ("tests/test_caps.py",),
+        what="the budget step (reserve, clamp, settle, final step)",
+    ),
+    "idempotency": Target(
+        "proxy/hashing.py",
+        ("tests/test_hashing.py",),
+        what="canonical JSON and the idempotency key",
+    ),
+    "wal": Target(
+        "proxy/spans/wal.py",
+        ("tests/test_wal.py", "-k", "not tmpfs and not full"),
+        what="the WAL's record framing",
+    ),
+    "sqlguard": Target(
+        "proxy/spans/sqlguard.py",
+        # (the query-file and dashboard comparisons fail in mutmut's copy of the tree; the rest
+        # is the guard's own table)
+        ("tests/test_admin_sql_guard.py", "-k", "not clickhouse_server and not query_file and not dashboard"),
+        what="what /admin/sql lets through",
+    ),
+}
+
+# mutant name -> why no test can tell it from the original.
+EQUIVALENT: dict[str, str] = {
+    # auth
+    "proxy.server.auth.xǁAdminGuardǁcheck__mutmut_7": "lower-cased header name: aiohttp's match any case",
+    "proxy.server.auth.xǁAdminGuardǁcheck__mutmut_8": "upper-cased header name: aiohttp's match any case",
+    "proxy.server.auth.xǁAdminGuardǁcheck__mutmut_9": (
+        'default "XXXX" for a missing header: like "", it can never equal "Bearer <token>"'
+    ),
+    "proxy.server.auth.x_ensure_admin_token__mutmut_1": (
+        "the first read skipped: the O_EXCL create then fails on the existing file, which is read"
+    ),
+    "proxy.server.auth.x_ensure_admin_token__mutmut_12": "token_urlsafe(None) is its default, 32 bytes",
+    # the URL builder
+    "proxy.server.upstream_url.x__check_segment__mutmut_19": 'codec "UTF-8" is "utf-8"',
+    "proxy.server.upstream_url.x_decode_segment__mutmut_9": 'codec "UTF-8" is "utf-8"',
+    "proxy.server.upstream_url.x__check_segment__mutmut_38": (
+        "a dot segment is at most 6 characters (%2e%2e): cut at 60 or 61, the same"
+    ),
+    "proxy.server.upstream_url.xǁBaseǁparse__mutmut_14": (
+        "decoding the whole path is decoding it segment by segment: no escape contains '/'"
+    ),
+    "proxy.server.upstream_url.xǁBaseǁparse__mutmut_9": '"".split("/") is [""], joined back to ""',
+    "proxy.server.upstream_url.xǁBaseǁtarget__mutmut_16": "yarl drops an empty query's bare '?'",
+    # hashing (idempotency)
+    "proxy.hashing.x_args_hash__mutmut_10": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',
+    "proxy.hashing.x_canonical_json__mutmut_19": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',
+    "proxy.hashing.x_canonical_json__mutmut_5": "ensure_ascii=None is falsy: the same as False",
+    "proxy.hashing.x_canonical_json__mutmut_6": "allow_nan=None is falsy: the same as False",
+}
+
+KILLED = {"killed", "timeout"}
+
+
+@dataclass
+class Score:
+    name: str
+    target: Target
+    statuses: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    error: str = ""
+
+    def counts(self) -> dict[str, int]:
+        out = {"mutants": len(self.statuses), "killed": 0, "survived": 0, "no tests": 0, "equivalent": 0}
+        for name, status in self.statuses.items():
+            if name in EQUIVALENT:
+                out["equivalent"] += 1
+            elif status in KILLED:
+                out["killed"] += 1
+            elif status == "no tests":
+                out["no tests"] += 1
+            else:
+                out["survived"] += 1
+        return out
+
+    @property
+    def score(self) -> float:
+        c = self.counts()
+        denominator = c["mutants"] - c["equivalent"]
+        return c["killed"] / denominator if denominator else 0.0
+
+    def survivors(self) -> list[tuple[str, str]]:
+        return sorted((n, s) for n, s in self.statuses.items() if s not in KILLED and n not in EQUIVALENT)
+
+
+def ensure_mutmut() -> Path:
+    exe = Path(sys.executable).parent / "mutmut"
+    if not exe.exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", MUTMUT],
+            check=True,
+        )
+    return exe
+
+
+def scratch_copy(name: str) -> Path:
+    root = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "runcap-mutation" / name
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, check=True, capture_output=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    for raw in files:
+        if not raw:
+            continue
+        rel = Path(raw.decode())
+        src = REPO / rel
+        if not (src.is_file() or src.is_symlink()) or rel.parts[0] in ("mutants", ".venv"):
+            continue
+        dst = root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            dst.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, dst)
+    return root
+
+
+def setup_cfg(target: Target, work: Path) -> str:
+    # Everything tests read besides proxy/ and tests/ (queries/ behind proxy/sql, dashboards/,
+    # docker-compose.yml...) goes into mutmut's copy of the tree too.
+    also = sorted(p.name + ("/" if p.is_dir() else "") for p in work.iterdir() if p.name not in _OWN)
+    lines = [
+        "[mutmut]",
+        "source_paths = proxy/",
+        f"only_mutate = {target.module}",
+        "pytest_add_cli_args_test_selection =",
+        *(f"    {arg}" for arg in target.tests),
+        "also_copy =",
+        *(f"    {name}" for name in also),
+        "pytest_add_cli_args =",
+        "    -p",
+        "    no:cacheprovider",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+_OWN = {"proxy", "tests", "setup.cfg", "mutants", "pyproject.toml", "mutmut-run.log"}
+_RESULT = re.compile(r"^\s*(\S+): (.+?)\s*$")
+
+
+def run_target(name: str, target: Target, mutmut: Path, max_children: int, timeout: float) -> Score:
+    score = Score(name, target)
+    work = scratch_copy(name)
+    (work / "setup.cfg").write_text(setup_cfg(target, work))
+    module = target.module.removesuffix(".py").replace("/", ".")
+    globs = [f"{module}.{f}" for f in target.functions]
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    log = work / "mutmut-run.log"
+    try:
+        with log.open("wb") as out:
+            subprocess.run(
+                [str(mutmut), "run", "--max-children", str(max_children), *globs],
+                cwd=work, env=env, timeout=timeout, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        score.error = f"stopped after {timeout:.0f} s: the counts are of the mutants run so far"
+    score.seconds = time.monotonic() - started
+    listed = subprocess.run(
+        [str(mutmut), "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True
+    ).stdout
+    for line in listed.splitlines():
+        m = _RESULT.match(line)
+        if not m or not m.group(1).startswith(module + "."):
+            continue
+        mutant, status = m.groups()
+        if globs and not any(fnmatch.fnmatchcase(mutant, g) for g in globs):
+            continue
+        if status == "not checked":
+            continue  # not run (outside the globs, or the run was stopped)
+        score.statuses[mutant] = status
+    if not score.statuses and not score.error:
+        tail = log.read_bytes()[-600:].decode(errors="replace").replace("\r", "\n").strip().splitlines()
+        score.error = "mutmut ran no mutant: " + " / ".join(tail[-3:])
+    return score
+
+
+def load_results() -> dict[str, dict[str, object]]:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+
+
+def save_results(results: dict[str, dict[str, object]], scores: list[Score]) -> None:
+    for s in scores:
+        results[s.name] = {"statuses": s.statuses, "seconds": round(s.seconds, 1), "error": s.error}
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def all_scores(results: dict[str, dict[str, object]]) -> list[Score]:
+    scores = []
+    for name, target in TARGETS.items():
+        r = results.get(name)
+        if r is not None:
+            scores.append(Score(name, target, dict(r["statuses"]), float(r["seconds"]), str(r["error"])))  # type: ignore[call-overload, arg-type]
+    return scores
+
+
+def table(scores: list[Score]) -> str:
+    rows = [
+        "| target | module (scope) | mutants | killed | survived | no tests | equivalent | score | time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in scores:
+        c = s.counts()
+        scope = s.target.module + (" (rules)" if s.target.functions else "")
+        rows.append(
+            f"| {s.name} | `{scope}` | {c['mutants']} | {c['killed']} | {c['survived']} | {c['no tests']} | "
+            f"{c['equivalent']} | **{s.score:.0%}** | {s.seconds / 60:.1f} min |"
+        )
+    out = ["\n".join(rows), ""]
+    for s in scores:
+        if s.error:
+            out.append(f"* {s.name}: {s.error}")
+    for s in scores:
+        survivors = s.survivors()
+        if not survivors:
+            continue
+        out.append(f"\n<details><summary>{s.name}: {len(survivors)} not killed</summary>\n")
+        out.extend(f"* `{n}`: {status}" for n, status in survivors)
+        out.append("\n</details>")
+    return "\n".join(out) + "\n"
+
+
+def write_doc(text: str) -> None:
+    doc = DOC.read_text()
+    start, end = doc.index(BEGIN) + len(BEGIN), doc.index(END)
+    DOC.write_text(doc[:start] + "\n" + text + doc[end:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("targets", nargs="*", help=f"of: {', '.join(TARGETS)} (default: all)")
+    ap.add_argument("--max-children", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--table-only", action="store_true", help="docs/mutation.md from docs/mutation.json")
+    args = ap.parse_args()
+    if args.table_only:
+        write_doc(table(all_scores(load_results())))
+        return 0
+    if args.list:
+        for name, t in TARGETS.items():
+            print(f"{name:13} {t.module:32} {' '.join(t.tests)}  — {t.what}")
+        return 0
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        ap.error(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
+    mutmut = ensure_mutmut()
+    scores = []
+    for name in args.targets or list(TARGETS):
+        print(f"{name}: mutating {TARGETS[name].module} ...", flush=True)
+        s = run_target(name, TARGETS[name], mutmut, args.max_children, args.timeout)
+        c = s.counts()
+        print(f"{name}: {s.score:.0%} killed ({c}) in {s.seconds:.0f} s {s.error}", flush=True)
+        scores.append(s)
+        if not args.no_write:  # after each target: a long run keeps what it finished
+            results = load_results()
+            save_results(results, [s])
+            write_doc(table(all_scores(results)))
+    print(table(scores))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
