@@ -11,6 +11,7 @@ from typing import Any
 
 from .base import (
     BodyError,
+    HostedTool,
     RequestInfo,
     ResponseInfo,
     ToolCall,
@@ -19,6 +20,7 @@ from .base import (
     context_digest,
     turn_key,
 )
+from .billable import count_references, openai_service_tier, serialized, served_tier
 from .body import (
     BASE_OVERHEAD,
     MEDIA_TOKEN_BOUND,
@@ -55,7 +57,15 @@ def openai_usage(usage: Any) -> Usage | None:
         cache_read_tokens=count(prompt, "cached_tokens"),
         cache_write_tokens=count(prompt, "cache_write_tokens"),
         reasoning_tokens=count(completion, "reasoning_tokens"),
+        input_audio_tokens=count(prompt, "audio_tokens"),
+        output_audio_tokens=count(completion, "audio_tokens"),
     )
+
+
+def _is_reference(part: dict[str, Any]) -> bool:
+    """A file given by id (rendered at the provider: its tokens are not in the body)."""
+    file = part.get("file") if part.get("type") == "file" else None
+    return isinstance(file, dict) and file.get("file_data") is None
 
 
 def choices_count(body: dict[str, Any], name: str = "n") -> int:
@@ -162,6 +172,7 @@ class ChatStreamReader(SSEStreamReader):
         self._calls: dict[tuple[int, int], list[Any]] = {}
         self._text: list[str] = []  # choice 0's content, for the answer's turn key
         self._choices: set[int] = set()
+        self._tier: tuple[tuple[str, str], ...] | None = None
 
     def on_event(self, event: SSEEvent) -> bool:
         if event.data == b"[DONE]":
@@ -176,6 +187,8 @@ class ChatStreamReader(SSEStreamReader):
         if not self._model:
             self._model = text_of(chunk, "model")
             self._id = text_of(chunk, "id")
+        if "service_tier" in chunk:
+            self._tier = served_tier(chunk["service_tier"])
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self._usage = openai_usage(usage)
@@ -237,6 +250,7 @@ class ChatStreamReader(SSEStreamReader):
             turn=turn_key("".join(self._text), [(c.name, c.arguments) for c in calls]) if single else None,
             complete=self.complete,
             error=self.error,
+            price_options=self._tier,
         )
 
 
@@ -276,6 +290,13 @@ class ChatCompletionsAdapter:
         response_format = body.get("response_format")
         if isinstance(response_format, dict) and "json_schema" in response_format:
             bound += json_bytes(response_format)
+        modalities = body.get("modalities")
+        audio = (isinstance(modalities, list) and "audio" in modalities) or b'"input_audio"' in (
+            context_bytes := serialized(messages)
+        )
+        searched = body.get("web_search_options") is not None
+        # A search model searches once on every call (one web search fee), whatever it answers.
+        hosted = [HostedTool("web_search_options", "web_search", 1, always=True)] if searched else []
 
         return RequestInfo(
             model=model,
@@ -285,6 +306,10 @@ class ChatCompletionsAdapter:
             tool_results=results,
             input_token_bound=bound,
             client_wants_stream_usage=stream and wants_stream_usage(body),
+            price_option=openai_service_tier(body),
+            audio=audio,
+            hosted_tools=hosted,
+            by_reference=count_references(messages, _is_reference) if b'"file_id"' in context_bytes else 0,
             history=messages,
             context=context_digest(
                 model,
@@ -360,6 +385,7 @@ class ChatCompletionsAdapter:
             finished=bool(choices) and not calls,
             response_id=text_of(body, "id"),
             turn=turn,
+            price_options=served_tier(body.get("service_tier")),
         )
 
     def stream_reader(self, strip_injected_usage: bool) -> ChatStreamReader:
