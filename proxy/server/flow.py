@@ -77,6 +77,12 @@ class Flow:
     inner: bool = False
     # What runcap measured of the request's context (proxy/server/context.py); None: not measured.
     context: ContextReading | None = None
+    # Priced or refused (proxy/server/billing.py): the model the call is priced as (the body's,
+    # or the one a deployment serves), the price variants its options may select, and what the
+    # budget step decided and settled beyond tokens, for the span (`attributes`).
+    priced_model: str = ""
+    price_options: tuple[tuple[tuple[str, str], ...], ...] = ((),)
+    billing: dict[str, str] = field(default_factory=dict)
 
     @property
     def flavor(self) -> str:

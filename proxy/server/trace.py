@@ -186,6 +186,20 @@ class TraceStep:
             attributes["final_step"] = "true"
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
+        if flow.billing:
+            attributes.update(flow.billing)  # what made up the cost, and runcap's bounds
+        if usage is not None:
+            if usage.input_audio_tokens:
+                attributes["usage.input_audio_tokens"] = str(usage.input_audio_tokens)
+            if usage.output_audio_tokens:
+                attributes["usage.output_audio_tokens"] = str(usage.output_audio_tokens)
+            for kind, uses in usage.tool_uses.items():
+                attributes[f"usage.{kind}"] = str(uses)
+        if info is not None and flow.priced_model and flow.priced_model != info.model:
+            attributes["pricing.model"] = flow.priced_model
+        served = resp.price_options if resp is not None else None
+        if served:
+            attributes["pricing.variant"] = ",".join(f"{k}={v}" for k, v in served)
         bodies.extend(context_record(flow, rec, attributes, is_error))
         model_span = Span(
             run_id=flow.run.run_id,
@@ -264,6 +278,22 @@ class TraceStep:
                         tool_name=call.name,
                         tool_call_id=call.id,
                         args_hash=args_hash(call.arguments),
+                    )
+                )
+            for call in resp.provider_tool_calls:
+                # Executed by the provider for the model (a remote MCP server, web search...):
+                # counted against X-Run-Max-Tool-Calls; the agent sends no result for it.
+                spans.append(
+                    child(
+                        kind="tool_call",
+                        step=step,
+                        started_at=ended,
+                        status_code=flow.status,
+                        outcome=flow.outcome,
+                        tool_name=call.name,
+                        tool_call_id=call.id,
+                        args_hash=args_hash(call.arguments),
+                        attributes={"tool.executed_by": "provider"},
                     )
                 )
         rec.step(spans, run_snapshot(state) if state is not None else None, bodies)
