@@ -70,7 +70,7 @@ STANDARD: PriceOptions = ()
 FEE_KINDS: dict[str, tuple[str | None, int, str]] = {
     "web_search": ("web_searches_kcount", 1000, "web_search_usd"),
     "file_search": ("storage_searches_kcount", 1000, "file_search_usd"),
-    "code_execution": (None, 1, "code_execution_usd"),
+    "code_execution": ("code_executions_kcount", 1000, "code_execution_usd"),
 }
 FEE_SETTINGS = tuple(setting for _, _, setting in FEE_KINDS.values())
 

@@ -291,9 +291,8 @@ class ChatCompletionsAdapter:
         if isinstance(response_format, dict) and "json_schema" in response_format:
             bound += json_bytes(response_format)
         modalities = body.get("modalities")
-        audio = (isinstance(modalities, list) and "audio" in modalities) or b'"input_audio"' in (
-            context_bytes := serialized(messages)
-        )
+        blob = serialized(messages)
+        audio = (isinstance(modalities, list) and "audio" in modalities) or b'"input_audio"' in blob
         searched = body.get("web_search_options") is not None
         # A search model searches once on every call (one web search fee), whatever it answers.
         hosted = [HostedTool("web_search_options", "web_search", 1, always=True)] if searched else []
@@ -309,7 +308,7 @@ class ChatCompletionsAdapter:
             price_option=openai_service_tier(body),
             audio=audio,
             hosted_tools=hosted,
-            by_reference=count_references(messages, _is_reference) if b'"file_id"' in context_bytes else 0,
+            by_reference=count_references(messages, _is_reference) if b'"file_id"' in blob else 0,
             history=messages,
             context=context_digest(
                 model,
