@@ -314,14 +314,16 @@ class PriceBook:
         return self._fee(resolved, rates, model, kind)
 
     def _fee(self, resolved: _Resolved, rates: _Rates | None, model: str, kind: str) -> Decimal | None:
-        for table in (resolved.declared, self._fee_tables.get("*")):
-            if table is not None and table.fee(kind) is not None:
-                return table.fee(kind)
+        # The operator's price for this model, then the price table's, then the operator's
+        # price for every model (`[prices."*"]`: fees the table lacks).
+        if resolved.declared is not None and resolved.declared.fee(kind) is not None:
+            return resolved.declared.fee(kind)
         if rates is not None:
             for name, fee in rates.fees:
                 if name == kind:
                     return fee
-        return None
+        fallback = self._fee_tables.get("*")
+        return fallback.fee(kind) if fallback is not None else None
 
     def is_priced(self, provider: str, model: str) -> bool:
         return self._resolve(provider, model) is not None

@@ -980,7 +980,13 @@ class ScriptedUpstream:
                 output += need
         if output == 0:
             output = 1  # a turn always emits at least one (end-of-turn) token
-        searches = sum(1 for h in hosted if h.tool.startswith("web_search"))
+        # What the uses bill per use: searches, and code interpreter container sessions (all of a
+        # response's calls share one container: one session).
+        billed = {
+            "web_search": sum(1 for h in hosted if h.tool.startswith("web_search")),
+            "file_search": sum(1 for h in hosted if h.tool == "file_search"),
+            "code_execution": 1 if any(h.tool == "code_interpreter" for h in hosted) else 0,
+        }
         rec.usage = Usage(
             input_tokens=input_tokens,
             output_tokens=output,
@@ -989,7 +995,7 @@ class ScriptedUpstream:
             reasoning_tokens=reasoning,
             input_audio_tokens=input_audio,
             output_audio_tokens=audio_out,
-            tool_uses={"web_search": searches} if searches else {},
+            tool_uses={kind: n for kind, n in billed.items() if n},
         )
         return _Answer(
             text=text,

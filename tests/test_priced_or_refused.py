@@ -70,7 +70,9 @@ async def test_priority_tier_is_reserved_and_settled_at_its_price(
         ):
             pass
     else:
-        await c.chat.completions.create(model="gpt-5", messages=msgs, service_tier="priority", extra_headers=h)
+        await c.chat.completions.create(
+            model="gpt-5", messages=msgs, service_tier="priority", extra_headers=h
+        )
     seen = upstream.last
     assert seen.usage is not None
     real = bill("openai", "gpt-5", seen.usage, {"service_tier": "priority"})
@@ -98,7 +100,9 @@ async def test_anthropic_fast_mode_is_reserved_at_its_price(runcap: Any, upstrea
     assert real <= Decimal("0.01")  # on main: $0.0193
 
 
-async def test_auto_tier_is_reserved_at_the_dearest_it_may_pick(runcap: Any, upstream: ScriptedUpstream) -> None:
+async def test_auto_tier_is_reserved_at_the_dearest_it_may_pick(
+    runcap: Any, upstream: ScriptedUpstream
+) -> None:
     """`auto` is served at the project's tier, which may be priority: reserved at priority."""
     upstream.scripts["auto"] = [{"text_tokens": 5000, "service_tier": "priority"}]
     body = {"model": "gpt-5", "service_tier": "auto", "messages": [{"role": "user", "content": "go"}]}
@@ -132,7 +136,9 @@ async def test_a_tier_without_a_price_is_refused_under_a_dollar_cap(
 # -- row 2: server-side tool fees ------------------------------------------------------------------
 
 
-async def test_anthropic_web_search_fees_are_charged_and_bounded(runcap: Any, upstream: ScriptedUpstream) -> None:
+async def test_anthropic_web_search_fees_are_charged_and_bounded(
+    runcap: Any, upstream: ScriptedUpstream
+) -> None:
     """$10 per 1,000 searches (genai-prices `web_searches_kcount`): charged at settlement, and a
     request without `max_uses` gets one that the cap allows — each search an internal call of up
     to the model's context window (200k tokens for claude-sonnet-4-5) plus its fee."""
@@ -151,7 +157,9 @@ async def test_anthropic_web_search_fees_are_charged_and_bounded(runcap: Any, up
     assert upstream.hits("/v1/messages") == 0
     # Under $3: max_uses set to what the cap leaves, the searches charged at $0.01 each.
     h = {"X-Run-Id": "ws-big", "X-Mock-Script": "search", "X-Run-Max-Usd": "3"}
-    await c.messages.create(model="claude-sonnet-4-5", max_tokens=200, messages=msgs, tools=tools, extra_headers=h)
+    await c.messages.create(
+        model="claude-sonnet-4-5", max_tokens=200, messages=msgs, tools=tools, extra_headers=h
+    )
     seen = upstream.last
     set_uses = seen.body["tools"][0]["max_uses"]
     assert 1 <= set_uses < 25
@@ -163,7 +171,9 @@ async def test_anthropic_web_search_fees_are_charged_and_bounded(runcap: Any, up
     # The request's own max_uses, when the cap allows it, is left as it is.
     tools = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 2}]
     h = {"X-Run-Id": "ws-own", "X-Mock-Script": "search", "X-Run-Max-Usd": "3"}
-    await c.messages.create(model="claude-sonnet-4-5", max_tokens=200, messages=msgs, tools=tools, extra_headers=h)
+    await c.messages.create(
+        model="claude-sonnet-4-5", max_tokens=200, messages=msgs, tools=tools, extra_headers=h
+    )
     assert upstream.last.body["tools"][0]["max_uses"] == 2
     assert upstream.last.usage is not None and upstream.last.usage.tool_uses == {"web_search": 2}
 
@@ -239,7 +249,9 @@ async def test_a_deployment_is_priced_as_the_model_it_serves(
     assert err["param"] == "[upstreams.azure] deployments"
     assert upstream.hits() == 0
     # Declared: reserved and settled as o1 (on main: a $0.05 cap spent $0.98).
-    rc = await runcap_factory({"upstreams": {"azure": {"url": upstream.url, "deployments": {"reasoner": "o1"}}}})
+    rc = await runcap_factory(
+        {"upstreams": {"azure": {"url": upstream.url, "deployments": {"reasoner": "o1"}}}}
+    )
     status, answer = await post(f"{rc.url}{path}", body, h)
     assert status == 200, answer
     assert answer["model"] == "o1"
@@ -255,7 +267,9 @@ async def test_deployments_config_errors_name_the_setting(upstream: ScriptedUpst
 
     assert upstream.url is not None
     with pytest.raises(ConfigError, match=r"upstreams\.azure\.deployments"):
-        runcap_config(upstream.url, tmp_path, {"upstreams": {"azure": {"url": upstream.url, "deployments": ["o1"]}}})
+        runcap_config(
+            upstream.url, tmp_path, {"upstreams": {"azure": {"url": upstream.url, "deployments": ["o1"]}}}
+        )
     with pytest.raises(ConfigError, match=r'prices\."\*": only tool fees'):
         runcap_config(upstream.url, tmp_path, {"prices": {"*": {"input_mtok": 1, "output_mtok": 2}}})
     with pytest.raises(ConfigError, match=r'prices\."gpt-5": set input_mtok'):
@@ -265,7 +279,9 @@ async def test_deployments_config_errors_name_the_setting(upstream: ScriptedUpst
 # -- row 5: inputs by reference, hosted tools ------------------------------------------------------
 
 
-async def test_a_document_by_url_is_bounded_by_the_context_window(runcap: Any, upstream: ScriptedUpstream) -> None:
+async def test_a_document_by_url_is_bounded_by_the_context_window(
+    runcap: Any, upstream: ScriptedUpstream
+) -> None:
     """A 100-page PDF by URL can be 150,000 tokens: a 10k-token cap cannot bound it (the model's
     200k window is the only true bound), so it is refused; on main it used 150,002 tokens."""
     upstream.scripts["pdf"] = [{"reference_tokens": 150_000, "text": "summary"}]
@@ -314,12 +330,19 @@ async def test_hosted_web_search_gets_a_max_tool_calls_the_budget_allows(
 # -- row 6: provider-executed tool calls -----------------------------------------------------------
 
 
-async def test_remote_mcp_calls_count_against_the_tool_call_cap(runcap: Any, upstream: ScriptedUpstream) -> None:
+async def test_remote_mcp_calls_count_against_the_tool_call_cap(
+    runcap: Any, upstream: ScriptedUpstream
+) -> None:
     """The provider calls a remote MCP server for the model (`mcp_call` items): capped by
     X-Run-Max-Tool-Calls through `max_tool_calls`, and counted (on main: five refunds executed,
     runcap counted 0 and reported 1 left)."""
     upstream.scripts["mcp"] = [{"hosted_uses": 5, "use_input_tokens": 50, "text": "refunded"}]
-    mcp = {"type": "mcp", "server_label": "crm", "server_url": "https://crm.example/mcp", "require_approval": "never"}
+    mcp = {
+        "type": "mcp",
+        "server_label": "crm",
+        "server_url": "https://crm.example/mcp",
+        "require_approval": "never",
+    }
     body = {"model": "gpt-4o-mini", "input": "refund everything", "tools": [mcp]}
     h = {"X-Run-Id": "mcp-1", "X-Mock-Script": "mcp", "X-Run-Max-Tool-Calls": "1"}
     status, answer = await post(f"{runcap.openai_url}/responses", body, h)
@@ -343,7 +366,9 @@ async def test_provider_executed_calls_are_tool_call_spans(
     mcp = {"type": "mcp", "server_label": "crm", "server_url": "https://crm.example/mcp"}
     tools = [mcp, {"type": "web_search"}]
     body = {"model": "gpt-4o-mini", "input": "go", "tools": tools, "max_tool_calls": 2}
-    status, answer = await post(f"{rc.openai_url}/responses", body, {"X-Run-Id": "sp-1", "X-Mock-Script": "mcp"})
+    status, answer = await post(
+        f"{rc.openai_url}/responses", body, {"X-Run-Id": "sp-1", "X-Mock-Script": "mcp"}
+    )
     assert status == 200, answer
     rows = await wait_rows(
         rc,
@@ -375,7 +400,11 @@ async def test_fetch_continuations_pass_the_context_cap(
         call = {"id": f"c{i}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
         msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": tool_result(i)})
-    body = {"model": "gpt-4o-mini", "messages": msgs, "tools": [{"type": "function", "function": {"name": "read"}}]}
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": msgs,
+        "tools": [{"type": "function", "function": {"name": "read"}}],
+    }
     upstream.scripts["fetcher"] = [{}] * 4 + [{"fetch": {"handle": i}} for i in range(4)] + [{"text": "done"}]
     h = {
         "X-Run-Id": "ctx-1",

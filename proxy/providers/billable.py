@@ -117,19 +117,28 @@ def anthropic_hosted_tools(tools: list[Any]) -> list[HostedTool]:
 
 
 def set_anthropic_max_uses(body: dict[str, Any], hosted: list[HostedTool], uses: int) -> None:
-    """Share `uses` among the server tools that have no `max_uses` of their own (a tool left
-    with none is removed: Anthropic takes no `max_uses: 0`)."""
+    """Share `uses` among the server tools, round-robin, none above its own `max_uses`: the
+    request's limits lowered, or set where it has none (a tool left with no use is removed:
+    Anthropic takes no `max_uses: 0`)."""
     tools = body.get("tools")
     if not isinstance(tools, list):
         return
-    open_tools = [h for h in hosted if h.limit is None and h.priced and 0 <= h.index < len(tools)]
-    drop = set()
-    for n, h in enumerate(open_tools):
-        share = uses // len(open_tools) + (1 if n < uses % len(open_tools) else 0)
-        if share <= 0:
-            drop.add(h.index)
-        else:
-            tools[h.index]["max_uses"] = share
+    limited = [h for h in hosted if h.priced and 0 <= h.index < len(tools)]
+    shares = dict.fromkeys((h.index for h in limited), 0)
+    left = uses
+    while left > 0:
+        grew = False
+        for h in limited:
+            if left > 0 and (h.limit is None or shares[h.index] < h.limit):
+                shares[h.index] += 1
+                left -= 1
+                grew = True
+        if not grew:
+            break
+    for index, share in shares.items():
+        if share > 0:
+            tools[index]["max_uses"] = share
+    drop = {index for index, share in shares.items() if share == 0}
     if drop:
         body["tools"] = [t for i, t in enumerate(tools) if i not in drop]
 
