@@ -170,12 +170,19 @@ async def test_anthropic_web_search_fees_are_charged_and_bounded(
     assert real >= Decimal("0.01") * set_uses
     # The request's own max_uses, when the cap allows it, is left as it is.
     tools = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 2}]
-    h = {"X-Run-Id": "ws-own", "X-Mock-Script": "search", "X-Run-Max-Usd": "3"}
+    # (a use may cost 200k tokens at the long-context cache-write rate, $7.50/M: $1.51 with its fee)
+    h = {"X-Run-Id": "ws-own", "X-Mock-Script": "search", "X-Run-Max-Usd": "5"}
     await c.messages.create(
         model="claude-sonnet-4-5", max_tokens=200, messages=msgs, tools=tools, extra_headers=h
     )
     assert upstream.last.body["tools"][0]["max_uses"] == 2
     assert upstream.last.usage is not None and upstream.last.usage.tool_uses == {"web_search": 2}
+    # ... and lowered when it does not: 2 uses do not fit in $3.
+    h = {"X-Run-Id": "ws-lower", "X-Mock-Script": "search", "X-Run-Max-Usd": "3"}
+    await c.messages.create(
+        model="claude-sonnet-4-5", max_tokens=200, messages=msgs, tools=tools, extra_headers=h
+    )
+    assert upstream.last.body["tools"][0]["max_uses"] == 1
 
 
 async def test_a_fee_the_price_table_lacks_is_refused_or_declared(
