@@ -201,14 +201,15 @@ _VIEWS = {
     # request_hash / response_hash are the payloads' keys: `runcap payload PREFIX` prints them.
     "run_timeline": TableView(
         show=("started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens", "cost_usd",
-              "cumulative_usd", "outcome", "status_code", "duration_ms", "request_hash", "response_hash",
-              "args_hash", "result_hash", "idempotency_key", "error", "context"),
+              "cost_parts", "cumulative_usd", "outcome", "status_code", "duration_ms", "request_hash",
+              "response_hash", "args_hash", "result_hash", "idempotency_key", "error", "context"),
         priority=("step", "kind", "tool", "outcome", "cost_usd", "status_code", "error", "context",
                   "request_hash", "response_hash", "input_tokens", "output_tokens", "duration_ms",
-                  "started_at", "model", "cumulative_usd", "idempotency_key", "args_hash", "result_hash"),
+                  "started_at", "model", "cumulative_usd", "idempotency_key", "args_hash", "result_hash",
+                  "cost_parts"),
         labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "status_code": "status",
                 "duration_ms": "ms", "cumulative_usd": "total_usd", "request_hash": "request",
-                "response_hash": "response"},
+                "response_hash": "response", "cost_parts": "billed"},
     ),
 }  # fmt: skip
 _SHORT_HASH = 12

@@ -5,6 +5,11 @@
 -- `runcap run RUN_ID`. `context` says what a context policy did to a model call's request
 -- (policy, input tokens removed, and the hash prefix of the request as the agent sent it — in
 -- full in attributes['context.original_request_hash']; request_hash is the one forwarded), or, for a call refused by X-Run-Max-Context-Tokens, the cap.
+-- `cost_parts` says what made up a model call's cost, USD by token kind and fee (input,
+-- cache_read, cache_write, output, reasoning, input_audio, output_audio, web_search,
+-- file_search, code_execution), with the billed units beyond text tokens (audio tokens, uses of
+-- the provider's tools) and runcap's bound on those uses; a tool call the provider executed for
+-- the model (a remote MCP server, a web search) is a `tool_call` with tool `(provider) NAME`.
 --
 -- @param run_id  String                = ''                          -- the run; '' = the most recently active run
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''
@@ -13,10 +18,20 @@ SELECT
     step,
     kind,
     model,
-    tool_name AS tool,
+    if(attributes['tool.executed_by'] = 'provider', concat('(provider) ', tool_name), tool_name) AS tool,
     input_tokens,
     output_tokens,
     cost_usd,
+    arrayStringConcat(
+        arrayConcat(
+            arrayMap(k -> concat(substring(k, 6), ' ', attributes[k]),
+                     arraySort(arrayFilter(k -> startsWith(k, 'cost.'), mapKeys(attributes)))),
+            arrayMap(k -> concat(substring(k, 7), ' x', attributes[k]),
+                     arraySort(arrayFilter(k -> startsWith(k, 'usage.'), mapKeys(attributes)))),
+            if(attributes['hosted.max_uses_set'] != '', [concat('uses <= ', attributes['hosted.max_uses_set'])], [])
+        ),
+        ', '
+    ) AS cost_parts,
     sum(cost_usd) OVER (ORDER BY started_at, kind_order, span_id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cumulative_usd,
     args_hash,
     result_hash,

@@ -8,6 +8,7 @@ usage the upstream reported (`RecordedRequest.usage`) at the price variant it se
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
@@ -390,6 +391,30 @@ async def test_provider_executed_calls_are_tool_call_spans(
     assert model["attributes"]["cost.web_search"] == "0.01"
     assert model["attributes"]["usage.web_search"] == "1"
     assert Decimal(model["attributes"]["cost.input"]) > 0
+    # `runcap run` (run_timeline) and run_cost show the kinds that made up the cost.
+    from proxy.queryfiles import bind, load_query
+    from proxy.readcli import AdminSqlReader
+
+    reader = AdminSqlReader(rc.url, rc.runtime.config.admin_token)
+
+    async def named(name: str) -> list[dict[str, Any]]:
+        query = load_query(name)
+        bound = await asyncio.to_thread(bind, query, {"run_id": "sp-1"}, reader)
+        cols, rows = await asyncio.to_thread(reader.query, query.sql, bound)
+        return [dict(zip(cols, row, strict=True)) for row in rows]
+
+    timeline = await named("run_timeline")
+    (step,) = [r for r in timeline if r["kind"] == "model"]
+    assert "web_search 0.01" in step["cost_parts"] and "input " in step["cost_parts"]
+    assert "web_search x1" in step["cost_parts"]
+    assert {r["tool"] for r in timeline if r["kind"] == "tool_call"} == {
+        "(provider) crm/refund",
+        "(provider) web_search",
+    }
+    (cost,) = [r for r in await named("run_cost") if r["row"] == "run"]
+    assert "web_search 0.01" in cost["cost_parts"] and cost["billed_units"] == "web_search 1"
+    parts = dict(p.rsplit(" ", 1) for p in cost["cost_parts"].split(", "))
+    assert sum(Decimal(v) for v in parts.values()) == Decimal(cost["cost_usd"])
 
 
 # -- row 7: runcap's own calls ---------------------------------------------------------------------
