@@ -50,7 +50,8 @@ class Quote:
     model: str  # the model it is priced as
     options: tuple[PriceOptions, ...]  # the price variants it may be served at
     rates: tuple[Decimal, Decimal] | None  # worst USD per input / output token over them
-    window: int  # the model's context window (the most one internal call reads)
+    # The model's context window (the most one internal call reads; 0 when the call needs none).
+    window: int
     input_tokens_bound: int  # the body's bound, raised to the window for inputs by reference
     fixed_usd_nanos: int = 0
     hosted_tools: bool = False
@@ -128,6 +129,8 @@ def quote(flow: Flow, prices: PriceBook, provider: str, caps: RunCaps, bound: in
                     "output_mtok: applied to every tier).",
                 )
     rates = _worst(prices, provider, model, options, info.audio)
+    if not (info.by_reference or info.hosted_tools or info.stored_context):
+        return Quote(model, options, rates, 0, bound)  # the plain call: no window lookup
     window = prices.context_window(provider, model) or UNKNOWN_CONTEXT_TOKENS
     if info.by_reference:
         # A document or file the provider fetches: the call reads at most its context window.
