@@ -133,10 +133,18 @@ class Cost:
 
     usd: Decimal
     known: bool
-    # What made up `usd`, USD by kind (input, cache_read, cache_write, output, reasoning,
-    # input_audio, output_audio, request, and a fee kind per provider-run tool); zero parts left
-    # out. For the span (`attributes['cost.*']`), so `runcap run` shows where a step's cost went.
-    parts: tuple[tuple[str, Decimal], ...] = field(default=(), compare=False)
+    # What made up `usd`, by kind (input, cache_read, cache_write, output, reasoning, input_audio,
+    # output_audio; request and a fee kind per provider-run tool): token kinds in USD per million
+    # (`tokens`, divided only when `parts` is read: the span wants them, settlement does not),
+    # fees in USD. Not part of equality.
+    tokens: tuple[tuple[str, Decimal], ...] = field(default=(), compare=False)
+    fees: tuple[tuple[str, Decimal], ...] = field(default=(), compare=False)
+
+    @property
+    def parts(self) -> tuple[tuple[str, Decimal], ...]:
+        """USD by kind, zero parts left out (for the span: `attributes['cost.*']`)."""
+        out = [(kind, v / _MTOK) for kind, v in self.tokens if v]
+        return (*out, *((kind, v) for kind, v in self.fees if v))
 
 
 UNKNOWN_COST = Cost(_ZERO, False)
@@ -184,11 +192,19 @@ class _Resolved:
     # options -> worst (input, output, audio input, audio output) USD per token
     worst: dict[PriceOptions, tuple[Decimal, Decimal, Decimal, Decimal] | None]
     declared: ModelPrice | None = None  # the operator's fees for this model (`[prices]`)
+    static: bool = False  # one price whatever the time (its variants aside)
 
     def rates(self, now: datetime, options: PriceOptions = STANDARD) -> _Rates | None:
-        if self.fixed is not None:
-            return self.fixed
-        assert self.model is not None
+        if self.model is None or (not options and self.fixed is not None):
+            return self.fixed  # an operator's price, or a price that does not change
+        if self.static:
+            # The one price of the model with a variant applied: computed once per variant.
+            key = (0, options)
+            if key not in self.by_price:
+                self.by_price[key] = _flatten(
+                    _with_variant(self.model, self.model.get_prices(now), now, options)
+                )
+            return self.by_price[key]
         price = self.model.get_prices(now)
         key = (id(price), options)
         if key not in self.by_price:
@@ -216,7 +232,10 @@ class PriceBook:
         resolved = self._resolve(provider, model)
         if resolved is None:
             return UNKNOWN_COST
-        rates = resolved.rates(datetime.now(UTC), options)
+        if resolved.fixed is not None and (not options or resolved.model is None):
+            rates: _Rates | None = resolved.fixed
+        else:
+            rates = resolved.rates(datetime.now(UTC), options)
         if rates is None:
             return UNKNOWN_COST
         cache_read = usage.cache_read_tokens
@@ -226,25 +245,27 @@ class PriceBook:
         reasoning = usage.reasoning_tokens
         output_tokens = max(usage.output_tokens, reasoning)
         plain_in = input_tokens - cache_read - cache_write
-        parts: dict[str, Decimal] = {}
+        tokens: list[tuple[str, Decimal]] = []
         if rates.input_audio is not None and usage.input_audio_tokens:
             audio_in = min(usage.input_audio_tokens, plain_in)
             plain_in -= audio_in
-            parts["input_audio"] = audio_in * _rate(rates.input_audio, input_tokens)
-        parts["input"] = plain_in * _rate(rates.input, input_tokens)
-        parts["cache_read"] = cache_read * _rate(rates.cache_read, input_tokens)
-        parts["cache_write"] = cache_write * _rate(rates.cache_write, input_tokens)
+            tokens.append(("input_audio", audio_in * _rate(rates.input_audio, input_tokens)))
+        tokens.append(("input", plain_in * _rate(rates.input, input_tokens)))
+        if cache_read:
+            tokens.append(("cache_read", cache_read * _rate(rates.cache_read, input_tokens)))
+        if cache_write:
+            tokens.append(("cache_write", cache_write * _rate(rates.cache_write, input_tokens)))
         plain_out = output_tokens
         if rates.reasoning is not None:
             plain_out -= reasoning
-            parts["reasoning"] = reasoning * _rate(rates.reasoning, input_tokens)
+            tokens.append(("reasoning", reasoning * _rate(rates.reasoning, input_tokens)))
         if rates.output_audio is not None and usage.output_audio_tokens:
             audio_out = min(usage.output_audio_tokens, plain_out)
             plain_out -= audio_out
-            parts["output_audio"] = audio_out * _rate(rates.output_audio, input_tokens)
-        parts["output"] = plain_out * _rate(rates.output, input_tokens)
-        parts = {k: v / _MTOK for k, v in parts.items()}
-        parts["request"] = rates.per_call
+            tokens.append(("output_audio", audio_out * _rate(rates.output_audio, input_tokens)))
+        tokens.append(("output", plain_out * _rate(rates.output, input_tokens)))
+        usd = sum((v for _, v in tokens), _ZERO) / _MTOK + rates.per_call
+        fees: list[tuple[str, Decimal]] = [("request", rates.per_call)] if rates.per_call else []
         known = True
         for kind, uses in usage.tool_uses.items():
             if uses <= 0:
@@ -253,13 +274,9 @@ class PriceBook:
             if fee is None:
                 known = False
                 continue
-            parts[kind] = parts.get(kind, _ZERO) + uses * fee
-        usd = sum(parts.values(), _ZERO)
-        return Cost(
-            usd.quantize(_USD_QUANTUM, rounding=ROUND_CEILING),
-            known,
-            tuple((k, v) for k, v in parts.items() if v),
-        )
+            fees.append((kind, uses * fee))
+            usd += uses * fee
+        return Cost(usd.quantize(_USD_QUANTUM, rounding=ROUND_CEILING), known, tuple(tokens), tuple(fees))
 
     def worst_case_rates(
         self, provider: str, model: str, options: PriceOptions = STANDARD, *, audio: bool = False
@@ -291,7 +308,7 @@ class PriceBook:
         """The model has a price for the variant `options` selects: an operator's price (it
         applies to every tier), or a genai-prices price variant matching it exactly."""
         resolved = self._resolve(provider, model)
-        if resolved is None or resolved.fixed is not None or not options:
+        if resolved is None or resolved.model is None or not options:
             return resolved is not None
         assert resolved.model is not None
         wanted = dict(options)
@@ -525,8 +542,9 @@ def _from_genai(info: gp.ModelInfo) -> _Resolved | None:
     if worst is None:
         return None
     resolved.worst[STANDARD] = worst
-    if isinstance(info.prices, gp.ModelPrice) and not info.price_variants:
-        resolved.fixed = _flatten(info.prices)
+    if isinstance(info.prices, gp.ModelPrice):
+        resolved.fixed = _flatten(info.prices)  # the standard price; variants via rates()
+        resolved.static = True
     return resolved
 
 

@@ -1183,7 +1183,7 @@ class ScriptedUpstream:
             input_audio=_input_audio_tokens(body.get("messages")),
         )
         if body.get("web_search_options") is not None and rec.usage is not None:
-            rec.usage.tool_uses["web_search"] = 1  # a search model searches on every call
+            rec.usage.tool_uses = {"web_search": 1}  # a search model searches on every call
         finish = "length" if ans.truncated else "tool_calls" if ans.calls else "stop"
         usage = _openai_usage(ans)
         tier = _served_tier(step, body)

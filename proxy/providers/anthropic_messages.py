@@ -36,7 +36,6 @@ from .billable import (
     anthropic_provider_calls,
     anthropic_speed,
     count_references,
-    serialized,
     set_anthropic_max_uses,
 )
 from .body import (
@@ -89,7 +88,7 @@ def anthropic_usage(usage: Any) -> Usage | None:
     )
     searches = count(usage.get("server_tool_use"), "web_search_requests")
     if searches:
-        out.tool_uses["web_search"] = searches
+        out.tool_uses = {"web_search": searches}
     return out
 
 
@@ -278,7 +277,7 @@ class MessagesStreamReader(SSEStreamReader):
         if counts is not None:
             usage = _usage(counts["input"], counts["output"], counts["cache_read"], counts["cache_write"])
             if self._searches:
-                usage.tool_uses["web_search"] = self._searches
+                usage.tool_uses = {"web_search": self._searches}
         return ResponseInfo(
             model=self._model,
             usage=usage,
@@ -332,7 +331,8 @@ class MessagesAdapter:
         tools = list_field(body, "tools")
 
         bound = BASE_OVERHEAD + _CONTENT(body.get("system"))
-        bound += MESSAGE_OVERHEAD * len(messages) + _CONTENT(messages)
+        content_bound_, blob = _CONTENT.with_json(messages)
+        bound += MESSAGE_OVERHEAD * len(messages) + content_bound_
         results: list[ToolResult] = []
         last_assistant = -1
         for i, message in enumerate(messages):
@@ -365,7 +365,7 @@ class MessagesAdapter:
         hosted = anthropic_hosted_tools(tools)
         if servers:  # the MCP connector: remote tools the provider calls, with no use limit
             hosted.append(HostedTool("mcp_servers", None, None, priced=False))
-        media = b'"type":"url"' in (blob := serialized(messages)) or b'"type":"file"' in blob
+        media = b'"type":"url"' in blob or b'"type":"file"' in blob
         # Structured outputs: the JSON schema the answer must follow (old and new field).
         config = body.get("output_config")
         for schema in (body.get("output_format"), config.get("format") if isinstance(config, dict) else None):

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from .base import BodyError, HostedTool, ToolCall
 from .body import compact_json, text_of
 
@@ -200,11 +198,3 @@ def count_references(value: Any, is_reference: Any) -> int:
             return 1
         return sum(count_references(v, is_reference) for v in value.values() if isinstance(v, list | dict))
     return 0
-
-
-def serialized(value: Any) -> bytes:
-    """Compact JSON of `value`, to look for a marker before walking it (b"" when it cannot be)."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:
-        return b""

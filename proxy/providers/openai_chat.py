@@ -20,7 +20,7 @@ from .base import (
     context_digest,
     turn_key,
 )
-from .billable import count_references, openai_service_tier, serialized, served_tier
+from .billable import count_references, openai_service_tier, served_tier
 from .body import (
     BASE_OVERHEAD,
     MEDIA_TOKEN_BOUND,
@@ -271,7 +271,8 @@ class ChatCompletionsAdapter:
         tools = list_field(body, "tools")
         functions = list_field(body, "functions")
 
-        bound = BASE_OVERHEAD + MESSAGE_OVERHEAD * len(messages) + _CONTENT(messages)
+        content, blob = _CONTENT.with_json(messages)
+        bound = BASE_OVERHEAD + MESSAGE_OVERHEAD * len(messages) + content
         results: list[ToolResult] = []
         last_assistant = -1
         for i, message in enumerate(messages):
@@ -291,7 +292,6 @@ class ChatCompletionsAdapter:
         if isinstance(response_format, dict) and "json_schema" in response_format:
             bound += json_bytes(response_format)
         modalities = body.get("modalities")
-        blob = serialized(messages)
         audio = (isinstance(modalities, list) and "audio" in modalities) or b'"input_audio"' in blob
         searched = body.get("web_search_options") is not None
         # A search model searches once on every call (one web search fee), whatever it answers.

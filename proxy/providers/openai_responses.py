@@ -17,7 +17,6 @@ from .billable import (
     openai_service_tier,
     responses_hosted_tools,
     responses_provider_calls,
-    serialized,
     served_tier,
 )
 from .body import (
@@ -264,11 +263,13 @@ class ResponsesAdapter:
 
         bound = BASE_OVERHEAD + _CONTENT(body.get("instructions"))
         results: list[ToolResult] = []
+        blob = b""
         items = body.get("input")
         if isinstance(items, str):
             bound += MESSAGE_OVERHEAD + text_bytes(items)
         elif isinstance(items, list):
-            bound += MESSAGE_OVERHEAD * len(items) + _CONTENT(items)
+            content, blob = _CONTENT.with_json(items)
+            bound += MESSAGE_OVERHEAD * len(items) + content
             last_assistant = -1
             for i, item in enumerate(items):
                 item = object_item(item, f"input[{i}]")
@@ -301,11 +302,7 @@ class ResponsesAdapter:
         if isinstance(prompt, dict):
             bound += _CONTENT(prompt.get("variables"))
         hosted = responses_hosted_tools(tools)
-        if isinstance(items, list):
-            blob = serialized(items)
-            refs = count_references(items, _is_reference) if b'"file_' in blob else 0
-        else:
-            refs = 0
+        refs = count_references(items, _is_reference) if isinstance(items, list) and b'"file_' in blob else 0
 
         return RequestInfo(
             model=model,

@@ -229,7 +229,7 @@ def settle_price(flow: Flow, prices: PriceBook, provider: str, usage: Usage) -> 
     if info is not None:
         for tool in info.hosted_tools:
             if tool.always and tool.fee is not None and not usage.tool_uses.get(tool.fee):
-                usage.tool_uses[tool.fee] = tool.limit or 1
+                usage.tool_uses = {**usage.tool_uses, tool.fee: tool.limit or 1}
     served = resp.price_options if resp is not None else None
     candidates = (served,) if served is not None else flow.price_options
     cost: Cost | None = None

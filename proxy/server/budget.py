@@ -297,8 +297,7 @@ class BudgetStep:
         # with a name of its own), at the variant it was served at (billing.py).
         cost = settle_price(flow, self.prices, pricing_provider(flow), usage)
         flow.cost_nanos = usd_to_nanos(cost.usd)
-        for kind, part in cost.parts:
-            flow.billing[f"cost.{kind}"] = f"{part.normalize():f}"
+        flow.cost = cost  # what made up the cost: the span's `cost.*` attributes
         if flow.outcome == "incomplete":
             # Cache reads priced below the worst case must not bring it under what was reserved.
             flow.cost_nanos = max(flow.cost_nanos, res.usd_nanos)

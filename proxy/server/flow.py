@@ -26,6 +26,7 @@ from proxy.caps import RunRequest
 from proxy.config import UpstreamConfig
 from proxy.context import ContextReading, Rewrite
 from proxy.ledger.base import Reservation, RunState
+from proxy.pricing import Cost
 from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
 from proxy.server.upstream_url import UpstreamTarget
 
@@ -81,6 +82,7 @@ class Flow:
     # or the one a deployment serves), the price variants its options may select, and what the
     # budget step decided and settled beyond tokens, for the span (`attributes`).
     priced_model: str = ""
+    cost: Cost | None = None  # as settled
     price_options: tuple[tuple[tuple[str, str], ...], ...] = ((),)
     billing: dict[str, str] = field(default_factory=dict)
 

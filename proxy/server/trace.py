@@ -187,7 +187,10 @@ class TraceStep:
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
         if flow.billing:
-            attributes.update(flow.billing)  # what made up the cost, and runcap's bounds
+            attributes.update(flow.billing)  # runcap's bounds on what the call may be billed
+        if flow.cost is not None:
+            for kind, part in flow.cost.parts:  # what made up the cost
+                attributes[f"cost.{kind}"] = f"{part.normalize():f}"
         if usage is not None:
             if usage.input_audio_tokens:
                 attributes["usage.input_audio_tokens"] = str(usage.input_audio_tokens)
