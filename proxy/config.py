@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from proxy.context import POLICIES, ContextSettings
 from proxy.money import usd_to_nanos
-from proxy.pricing import ModelPrice
+from proxy.pricing import FEE_SETTINGS, ModelPrice
 from proxy.server.upstream_url import Base
 
 
@@ -71,6 +71,12 @@ class UpstreamConfig(Endpoint):
     # Endpoints (decoded upstream paths, `*` = one segment) that may be POSTed unmetered while a
     # run has a dollar or token cap: the operator vouches that they cost nothing.
     passthrough_allow: tuple[str, ...] = ()
+    # Routes whose model is not in the body (`/openai/deployments/{name}/...`, Azure-style):
+    # deployment name -> the model it serves, which the call is priced as.
+    deployments: Mapping[str, str] = field(default_factory=dict)
+    # The OpenAI service tier a request without `service_tier` is served at (the project's
+    # default, "default" unless configured otherwise at the provider).
+    service_tier: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,9 +602,14 @@ def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
+_UPSTREAM_KEYS = {
+    "url", "flavor", "api_key_env", "output_limit_field", "passthrough_allow", "deployments", "service_tier",
+}  # fmt: skip
+
+
 def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> UpstreamConfig:
     where = f"upstreams.{name}"
-    _only(section, where, {"url", "flavor", "api_key_env", "output_limit_field", "passthrough_allow"})
+    _only(section, where, _UPSTREAM_KEYS)
     url = _str(section, where, "url")
     if not url:
         if name in DEFAULT_UPSTREAMS:
@@ -637,7 +648,23 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
             raise ConfigError(
                 f'{where}.passthrough_allow: {entry!r} must be an upstream path like "/v1/files"'
             )
-    return UpstreamConfig(name, url.rstrip("/"), flavor, api_key, field_name == "max_tokens", allow)
+    deployments = section.get("deployments", {})
+    if not isinstance(deployments, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) and v for k, v in deployments.items()
+    ):
+        raise ConfigError(
+            f'{where}.deployments: expected a table of deployment name = "model it serves", '
+            f'e.g. deployments = {{ "my-o1" = "o1" }}'
+        )
+    tier = _str(section, where, "service_tier", "default")
+    if tier not in ("default", "flex", "priority", "auto"):
+        raise ConfigError(
+            f"{where}.service_tier: expected default, flex, priority or auto (the tier a request "
+            f"without service_tier is served at), got {tier!r}"
+        )
+    return UpstreamConfig(
+        name, url.rstrip("/"), flavor, api_key, field_name == "max_tokens", allow, dict(deployments), tier
+    )
 
 
 def _tool(name: str, section: Mapping[str, Any]) -> ToolConfig:
@@ -868,16 +895,29 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
     return CapsConfig(**values)
 
 
+_TOKEN_PRICES = ("input_mtok", "output_mtok", "cache_read_mtok", "cache_write_mtok")
+_AUDIO_PRICES = ("input_audio_mtok", "output_audio_mtok")
+
+
 def _price(model: str, section: Mapping[str, Any]) -> ModelPrice:
+    """`[prices."MODEL"]`: token prices (USD per million tokens; input_mtok and output_mtok
+    together override the model's genai-prices price), and per-use fees of tools the provider
+    runs (`web_search_usd`, `file_search_usd`, `code_execution_usd`: USD per use), which may be
+    declared alone — for a model genai-prices prices, or for every model with `[prices."*"]`."""
     where = f'prices."{model}"'
-    _only(section, where, {"input_mtok", "output_mtok", "cache_read_mtok", "cache_write_mtok"})
-    inp = _number(section, where, "input_mtok")
-    out = _number(section, where, "output_mtok")
-    if inp is None or out is None:
+    _only(section, where, {*_TOKEN_PRICES, *_AUDIO_PRICES, *FEE_SETTINGS})
+    values = {key: _number(section, where, key) for key in (*_TOKEN_PRICES, *_AUDIO_PRICES, *FEE_SETTINGS)}
+    tokens = any(values[key] is not None for key in (*_TOKEN_PRICES, *_AUDIO_PRICES))
+    if tokens and (values["input_mtok"] is None or values["output_mtok"] is None):
         raise ConfigError(f"{where}: input_mtok and output_mtok are required (USD per million tokens)")
-    return ModelPrice(
-        inp, out, _number(section, where, "cache_read_mtok"), _number(section, where, "cache_write_mtok")
-    )
+    if not tokens and not any(values[key] is not None for key in FEE_SETTINGS):
+        raise ConfigError(
+            f"{where}: set input_mtok and output_mtok (USD per million tokens), or a tool fee "
+            f"({', '.join(FEE_SETTINGS)}: USD per use)"
+        )
+    if tokens and model == "*":
+        raise ConfigError(f'{where}: only tool fees ({", ".join(FEE_SETTINGS)}) apply to every model')
+    return ModelPrice(**values, tokens=tokens)  # type: ignore[arg-type]
 
 
 # -- [mcp.NAME]: MCP servers (DESIGN.md "MCP servers (`/mcp/{name}`)") -------------------------

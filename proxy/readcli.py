@@ -242,12 +242,12 @@ _VIEWS = {
     # request_hash / response_hash are the payloads' keys: `runcap payload PREFIX` prints them.
     "run_timeline": TableView(
         show=("started_at", "step", "kind", "model", "tool", "input_tokens", "output_tokens", "cost_usd",
-              "cumulative_usd", "outcome", "status_code", "duration_ms", "request_hash", "response_hash",
-              "args_hash", "result_hash", "idempotency_key", "detail", "context"),
+              "cost_parts", "cumulative_usd", "outcome", "status_code", "duration_ms", "request_hash",
+              "response_hash", "args_hash", "result_hash", "idempotency_key", "detail", "context"),
         priority=load_query("run_timeline").priority,
         labels={"input_tokens": "in_tok", "output_tokens": "out_tok", "status_code": "status",
                 "duration_ms": "ms", "cumulative_usd": "total_usd", "request_hash": "request",
-                "response_hash": "response"},
+                "response_hash": "response", "cost_parts": "billed"},
     ),
 }  # fmt: skip
 _SHORT_HASH = 12

@@ -62,6 +62,23 @@ Steps (dicts in scripts, validated into `Step`):
                               literal handle string; `offset` and `length` are passed as given
     cache_read_tokens, cache_write_tokens, reasoning_tokens: int
 
+Billing beyond text tokens, as the providers document it (the worst case where a step says so):
+
+    service_tier: str         the tier an OpenAI answer reports it was served at (default: the
+                              request's, `auto` and none served at "default")
+    audio_tokens: int         output audio tokens, when the request asks for audio (chat
+                              `modalities: ["audio"]`); part of the output, within its limit
+    hosted_uses: int          uses of the request's hosted tools the "model" makes (Responses
+                              web_search / file_search / code_interpreter / mcp items; Anthropic
+                              web_search / web_fetch `server_tool_use` blocks), never more than the
+                              request allows (`max_tool_calls`; each tool's `max_uses`); each is an
+                              internal call adding `use_input_tokens` (default 1000) input tokens;
+                              web searches are reported (Anthropic `usage.server_tool_use`)
+    reference_tokens: int     input tokens each input by reference costs (a file by id, a
+                              document or image by URL), rendered at the provider
+Input audio parts (chat `input_audio`) count one audio input token per 3 bytes of their data,
+reported in `prompt_tokens_details.audio_tokens`. Anthropic `speed` is echoed in `usage.speed`.
+
 Stored Responses, as the provider keeps them: a response not created with `store: false` keeps
 its conversation (what it continued, its input, its output) under its id and each output item
 under the item's id. `previous_response_id` continues that conversation and an `item_reference`
@@ -184,6 +201,11 @@ class Step:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     reasoning_tokens: int = 0
+    service_tier: str | None = None
+    audio_tokens: int = 0
+    hosted_uses: int = 0
+    use_input_tokens: int = 1000
+    reference_tokens: int = 0
     # `runcap_fetch` calls to make: (handle index or literal, offset, length)
     fetch: tuple[tuple[int | str, int | None, int | None], ...] = ()
 
@@ -219,6 +241,10 @@ class Step:
             "cache_read_tokens",
             "cache_write_tokens",
             "reasoning_tokens",
+            "audio_tokens",
+            "hosted_uses",
+            "use_input_tokens",
+            "reference_tokens",
         ):
             value = raw.get(key)
             if value is not None and not (isinstance(value, int) and value >= 0):
@@ -257,6 +283,11 @@ class Step:
             cache_read_tokens=raw.get("cache_read_tokens", 0),
             cache_write_tokens=raw.get("cache_write_tokens", 0),
             reasoning_tokens=raw.get("reasoning_tokens", 0),
+            service_tier=raw.get("service_tier"),
+            audio_tokens=raw.get("audio_tokens", 0),
+            hosted_uses=raw.get("hosted_uses", 0),
+            use_input_tokens=raw.get("use_input_tokens", 1000),
+            reference_tokens=raw.get("reference_tokens", 0),
             fetch=tuple(fetch),
         )
 
@@ -284,6 +315,11 @@ _STEP_KEYS = frozenset(
         "cache_read_tokens",
         "cache_write_tokens",
         "reasoning_tokens",
+        "service_tier",
+        "audio_tokens",
+        "hosted_uses",
+        "use_input_tokens",
+        "reference_tokens",
         "fetch",
     }
 )
@@ -390,6 +426,76 @@ class _Answer:
     input_tokens: int  # all input tokens, cache reads and writes included
     cache_read_tokens: int
     cache_write_tokens: int
+    audio_tokens: int = 0  # output audio tokens (part of output_tokens)
+    input_audio_tokens: int = 0  # part of input_tokens
+    hosted: tuple[_HostedUse, ...] = ()  # hosted-tool uses made, in order
+
+
+@dataclass(frozen=True, slots=True)
+class _HostedUse:
+    tool: str  # the request's tool type ("web_search", "web_search_20250305", "mcp"...)
+    label: str  # an MCP tool's server label ("" otherwise)
+
+
+# Hosted tool types the "model" uses (Responses; Anthropic server tools by type prefix).
+_RESPONSES_HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter", "mcp")
+_ANTHROPIC_HOSTED = ("web_search_", "web_fetch_")
+
+
+def _hosted_uses(step: Step, body: dict[str, Any], anthropic: bool) -> tuple[_HostedUse, ...]:
+    """The hosted-tool uses a step makes: `step.hosted_uses`, shared round-robin among the
+    request's hosted tools, never past what the request allows (Responses `max_tool_calls` for
+    all of them; an Anthropic tool's `max_uses` for it)."""
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    slots: list[list[Any]] = []  # [tool type, server label, uses left]
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(kind, str):
+            continue
+        if anthropic and kind.startswith(_ANTHROPIC_HOSTED):
+            left = tool.get("max_uses")
+            slots.append([kind, "", left if isinstance(left, int) else 1 << 30])
+        elif not anthropic and kind in _RESPONSES_HOSTED:
+            slots.append([kind, str(tool.get("server_label") or ""), 1 << 30])
+    total = step.hosted_uses
+    if not anthropic and isinstance(body.get("max_tool_calls"), int):
+        total = min(total, body["max_tool_calls"])
+    uses: list[_HostedUse] = []
+    while len(uses) < total and any(slot[2] > 0 for slot in slots):
+        for slot in slots:
+            if len(uses) < total and slot[2] > 0:
+                slot[2] -= 1
+                uses.append(_HostedUse(slot[0], slot[1]))
+    return tuple(uses)
+
+
+def _references(body: Any) -> int:
+    """Inputs by reference: a file by id (chat `file.file_id`, Responses `input_file` /
+    `input_image` by `file_id` or `file_url`), an Anthropic document or image by URL or file."""
+    if isinstance(body, list):
+        return sum(_references(v) for v in body)
+    if not isinstance(body, dict):
+        return 0
+    kind = body.get("type")
+    if kind == "file" and isinstance(body.get("file"), dict) and body["file"].get("file_id"):
+        return 1
+    if kind in ("input_file", "input_image") and (body.get("file_id") or body.get("file_url")):
+        return 1
+    source = body.get("source")
+    if kind in ("document", "image") and isinstance(source, dict) and source.get("type") in ("url", "file"):
+        return 1
+    return sum(_references(v) for v in body.values() if isinstance(v, list | dict))
+
+
+def _input_audio_tokens(body: Any) -> int:
+    if isinstance(body, list):
+        return sum(_input_audio_tokens(v) for v in body)
+    if not isinstance(body, dict):
+        return 0
+    if body.get("type") == "input_audio" and isinstance(body.get("input_audio"), dict):
+        data = body["input_audio"].get("data")
+        return len(data) // 3 if isinstance(data, str) else 0
+    return sum(_input_audio_tokens(v) for v in body.values() if isinstance(v, list | dict))
 
 
 # --------------------------------------------------------------------------- input counting
@@ -768,6 +874,9 @@ class ScriptedUpstream:
         self.chunk_chars = max(1, chunk_chars)
         self.in_flight = 0
         self.max_in_flight = 0
+        # Azure-style deployments (`/openai/deployments/{name}/chat/completions`): name -> the
+        # model it serves, whatever the body says (an unknown name serves the body's model).
+        self.deployments: dict[str, str] = {}
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
         self._id_prefix = secrets.token_hex(6)
@@ -851,9 +960,17 @@ class ScriptedUpstream:
         limit: int | None,
         tools_allowed: bool,
         call_prefix: str,
+        *,
+        hosted: tuple[_HostedUse, ...] = (),
+        audio: bool = False,
+        input_audio: int = 0,
     ) -> _Answer:
         if step.input_tokens is not None:
             input_tokens = step.input_tokens
+        # Billed beyond the body's text: each hosted-tool use is an internal call reading more
+        # input, each input by reference its rendering, input audio its audio tokens.
+        input_tokens += len(hosted) * step.use_input_tokens + input_audio
+        input_tokens += _references(rec.body) * step.reference_tokens
         # Scripted cache numbers are honoured as given: they raise the input when larger than it.
         input_tokens = max(input_tokens, step.cache_read_tokens + step.cache_write_tokens)
         budget = limit if limit is not None else 1 << 62
@@ -875,7 +992,9 @@ class ScriptedUpstream:
                 truncated = True
         used = count_tokens(text)
         budget -= used
-        output = reasoning + used
+        audio_out = min(step.audio_tokens, budget) if audio else 0
+        budget -= audio_out
+        output = reasoning + used + audio_out
         calls: list[_Call] = []
         if tools_allowed and not truncated:
             for spec in step.tool_calls:
@@ -892,12 +1011,22 @@ class ScriptedUpstream:
                 output += need
         if output == 0:
             output = 1  # a turn always emits at least one (end-of-turn) token
+        # What the uses bill per use: searches, and code interpreter container sessions (all of a
+        # response's calls share one container: one session).
+        billed = {
+            "web_search": sum(1 for h in hosted if h.tool.startswith("web_search")),
+            "file_search": sum(1 for h in hosted if h.tool == "file_search"),
+            "code_execution": 1 if any(h.tool == "code_interpreter" for h in hosted) else 0,
+        }
         rec.usage = Usage(
             input_tokens=input_tokens,
             output_tokens=output,
             cache_read_tokens=step.cache_read_tokens,
             cache_write_tokens=step.cache_write_tokens,
             reasoning_tokens=reasoning,
+            input_audio_tokens=input_audio,
+            output_audio_tokens=audio_out,
+            tool_uses={kind: n for kind, n in billed.items() if n},
         )
         return _Answer(
             text=text,
@@ -908,6 +1037,9 @@ class ScriptedUpstream:
             input_tokens=input_tokens,
             cache_read_tokens=step.cache_read_tokens,
             cache_write_tokens=step.cache_write_tokens,
+            audio_tokens=audio_out,
+            input_audio_tokens=input_audio,
+            hosted=hosted,
         )
 
     async def _begin(self, request: web.Request) -> tuple[RecordedRequest, Any]:
@@ -1074,11 +1206,23 @@ class ScriptedUpstream:
         if step.status:
             return self._openai_step_error(rec, step)
         tools_allowed = bool(body.get("tools") or body.get("functions")) and body.get("tool_choice") != "none"
-        tokens = chat_input_tokens(body, self.tokenizer)
-        ans = self._answer(rec, step, tokens, limit, tools_allowed, "call_")
+        modalities = body.get("modalities")
+        ans = self._answer(
+            rec,
+            step,
+            chat_input_tokens(body, self.tokenizer),
+            limit,
+            tools_allowed,
+            "call_",
+            audio=isinstance(modalities, list) and "audio" in modalities,
+            input_audio=_input_audio_tokens(body.get("messages")),
+        )
+        if body.get("web_search_options") is not None and rec.usage is not None:
+            rec.usage.tool_uses = {"web_search": 1}  # a search model searches on every call
         finish = "length" if ans.truncated else "tool_calls" if ans.calls else "stop"
         usage = _openai_usage(ans)
-        model = body["model"]
+        tier = _served_tier(step, body)
+        model = self.deployments.get(request.match_info.get("deployment", ""), body["model"])
         rid = self._new_id("chatcmpl-")
         created = int(time.time())
         headers = self._openai_headers(step)
@@ -1101,7 +1245,7 @@ class ScriptedUpstream:
                 "model": model,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
                 "usage": usage,
-                "service_tier": "default",
+                "service_tier": tier,
                 "system_fingerprint": "fp_runcapmock",
             }
             if step.omit_usage:
@@ -1114,7 +1258,7 @@ class ScriptedUpstream:
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "service_tier": "default",
+            "service_tier": tier,
             "system_fingerprint": "fp_runcapmock",
         }
         if include_usage:
@@ -1302,12 +1446,18 @@ class ScriptedUpstream:
             return self._openai_step_error(rec, step)
         tools = body.get("tools") or []
         tools_allowed = bool(tools) and body.get("tool_choice") != "none"
-        tokens = responses_input_tokens(body, self.tokenizer)
-        ans = self._answer(rec, step, tokens, limit, tools_allowed, "call_")
+        hosted = _hosted_uses(step, body, anthropic=False) if tools_allowed else ()
+        ans = self._answer(
+            rec, step, responses_input_tokens(body, self.tokenizer), limit, tools_allowed, "call_",
+            hosted=hosted,
+        )
         rid = self._new_id("resp_")
         headers = self._openai_headers(step)
 
         output: list[dict[str, Any]] = []
+        container = self._new_id("cntr_")
+        for use in ans.hosted:
+            output.append(self._hosted_item(use, container))
         if ans.reasoning_tokens:
             output.append({"id": self._new_id("rs_"), "type": "reasoning", "summary": []})
         if ans.text or not ans.calls:
@@ -1353,7 +1503,7 @@ class ScriptedUpstream:
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None},
-            "service_tier": "default",
+            "service_tier": _served_tier(step, body),
             "store": body.get("store", True),
             "temperature": body.get("temperature", 1.0),
             "text": {"format": {"type": "text"}, "verbosity": "medium"},
@@ -1463,6 +1613,41 @@ class ScriptedUpstream:
             "param": None,
         }
         return await self._stream(request, rec, step, events, stall_at, headers, _sse_event(b"error", error))
+
+    def _hosted_item(self, use: _HostedUse, container: str) -> dict[str, Any]:
+        """The output item of one hosted-tool use the provider executed (Responses)."""
+        kind = use.tool
+        if kind.startswith("web_search"):
+            action = {"type": "search", "query": "runcap mock search"}
+            item_id = self._new_id("ws_")
+            return {"id": item_id, "type": "web_search_call", "status": "completed", "action": action}
+        if kind == "file_search":
+            return {
+                "id": self._new_id("fs_"),
+                "type": "file_search_call",
+                "status": "completed",
+                "queries": ["runcap mock query"],
+                "results": None,
+            }
+        if kind == "code_interpreter":
+            return {
+                "id": self._new_id("ci_"),
+                "type": "code_interpreter_call",
+                "status": "completed",
+                "code": "print(1)",
+                "container_id": container,
+                "outputs": None,
+            }
+        return {
+            "id": self._new_id("mcp_"),
+            "type": "mcp_call",
+            "status": "completed",
+            "server_label": use.label,
+            "name": "refund",
+            "arguments": '{"order_id":"A1"}',
+            "output": "refunded",
+            "error": None,
+        }
 
     def _responses_conversation(self, body: dict[str, Any]) -> list[Any]:
         """The input items the model reads: the stored conversation `previous_response_id` names,
@@ -1581,13 +1766,21 @@ class ScriptedUpstream:
             return self._json(rec, step.status, err, headers)
         tool_choice = body.get("tool_choice") or {}
         tools_allowed = bool(body.get("tools")) and tool_choice.get("type") != "none"
-        tokens = anthropic_input_tokens(body, self.tokenizer)
-        ans = self._answer(rec, step, tokens, limit, tools_allowed, "toolu_")
+        hosted = _hosted_uses(step, body, anthropic=True) if tools_allowed else ()
+        ans = self._answer(
+            rec, step, anthropic_input_tokens(body, self.tokenizer), limit, tools_allowed, "toolu_",
+            hosted=hosted,
+        )
         # Anthropic cannot return a half-written tool_use block's input: a cut call is dropped.
         calls = [c for c in ans.calls if not c.partial]
         stop = "max_tokens" if ans.truncated else "tool_use" if calls else "end_turn"
-        usage = _anthropic_usage(ans)
+        usage = _anthropic_usage(ans, body)
         content: list[dict[str, Any]] = []
+        for use in ans.hosted:
+            tool_id = self._new_id("srvtoolu_")
+            name = "web_search" if use.tool.startswith("web_search") else "web_fetch"
+            content.append({"type": "server_tool_use", "id": tool_id, "name": name, "input": {"query": "q"}})
+            content.append({"type": f"{name}_tool_result", "tool_use_id": tool_id, "content": []})
         if ans.text or not calls:
             content.append({"type": "text", "text": ans.text})
         content.extend({"type": "tool_use", "id": c.id, "name": c.name, "input": c.input} for c in calls)
@@ -1616,9 +1809,22 @@ class ScriptedUpstream:
         start = {**message_obj, "content": [], "stop_reason": None}
         if not step.omit_usage:
             start["usage"] = {**usage, "output_tokens": 1}
+            start["usage"].pop("server_tool_use", None)
         events = [_sse_event(b"message_start", {"type": "message_start", "message": start})]
         stall_at = 0
+        tool_uses = 0
         for index, block in enumerate(content):
+            if block["type"] not in ("text", "tool_use"):  # server tool blocks: whole, no deltas
+                events.append(
+                    _sse_event(
+                        b"content_block_start",
+                        {"type": "content_block_start", "index": index, "content_block": block},
+                    )
+                )
+                events.append(
+                    _sse_event(b"content_block_stop", {"type": "content_block_stop", "index": index})
+                )
+                continue
             if block["type"] == "text":
                 events.append(
                     _sse_event(
@@ -1632,7 +1838,8 @@ class ScriptedUpstream:
                 )
                 deltas = [{"type": "text_delta", "text": p} for p in _pieces(block["text"], self.chunk_chars)]
             else:
-                c = calls[index - (len(content) - len(calls))]
+                c = calls[tool_uses]
+                tool_uses += 1
                 events.append(
                     _sse_event(
                         b"content_block_start",
@@ -1665,7 +1872,7 @@ class ScriptedUpstream:
             "delta": {"stop_reason": stop, "stop_sequence": None},
         }
         if not step.omit_usage:
-            delta_event["usage"] = {k: usage[k] for k in _ANTHROPIC_DELTA_USAGE_KEYS}
+            delta_event["usage"] = {k: usage[k] for k in _ANTHROPIC_DELTA_USAGE_KEYS if k in usage}
         events.append(_sse_event(b"message_delta", delta_event))
         events.append(_sse_event(b"message_stop", {"type": "message_stop"}))
         error = {
@@ -1727,11 +1934,24 @@ _ANTHROPIC_DELTA_USAGE_KEYS = (
     "cache_creation_input_tokens",
     "cache_read_input_tokens",
     "output_tokens",
+    "server_tool_use",  # the final counts of the server tools' uses
 )
 
 
+def _served_tier(step: Step, body: dict[str, Any]) -> str:
+    """The OpenAI service tier an answer reports: the step's, else the one requested (`auto` and
+    none: "default")."""
+    if step.service_tier is not None:
+        return step.service_tier
+    tier = body.get("service_tier")
+    return tier if tier in ("default", "flex", "priority", "scale") else "default"
+
+
 def _openai_usage(ans: _Answer) -> dict[str, Any]:
-    prompt_details: dict[str, int] = {"cached_tokens": ans.cache_read_tokens, "audio_tokens": 0}
+    prompt_details: dict[str, int] = {
+        "cached_tokens": ans.cache_read_tokens,
+        "audio_tokens": ans.input_audio_tokens,
+    }
     if ans.cache_write_tokens:
         prompt_details["cache_write_tokens"] = ans.cache_write_tokens
     return {
@@ -1741,7 +1961,7 @@ def _openai_usage(ans: _Answer) -> dict[str, Any]:
         "prompt_tokens_details": prompt_details,
         "completion_tokens_details": {
             "reasoning_tokens": ans.reasoning_tokens,
-            "audio_tokens": 0,
+            "audio_tokens": ans.audio_tokens,
             "accepted_prediction_tokens": 0,
             "rejected_prediction_tokens": 0,
         },
@@ -1761,21 +1981,30 @@ def _responses_usage(ans: _Answer) -> dict[str, Any]:
     }
 
 
-def _anthropic_usage(ans: _Answer) -> dict[str, Any]:
+def _anthropic_usage(ans: _Answer, body: dict[str, Any]) -> dict[str, Any]:
     # Anthropic's input_tokens excludes the tokens read from and written to the cache.
-    return {
+    usage: dict[str, Any] = {
         "input_tokens": ans.input_tokens - ans.cache_read_tokens - ans.cache_write_tokens,
         "cache_creation_input_tokens": ans.cache_write_tokens,
         "cache_read_input_tokens": ans.cache_read_tokens,
         "output_tokens": ans.output_tokens,
         "service_tier": "standard",
     }
+    if ans.hosted:
+        usage["server_tool_use"] = {
+            "web_search_requests": sum(1 for h in ans.hosted if h.tool.startswith("web_search")),
+            "web_fetch_requests": sum(1 for h in ans.hosted if h.tool.startswith("web_fetch")),
+        }
+    if body.get("speed") in ("fast", "standard"):
+        usage["speed"] = body["speed"]
+    return usage
 
 
 def make_app(upstream: ScriptedUpstream) -> web.Application:
     """The aiohttp application serving `upstream` (routes only; no middleware on the hot path)."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/chat/completions", upstream.handle_chat)
+    app.router.add_post("/openai/deployments/{deployment}/chat/completions", upstream.handle_chat)
     app.router.add_post("/v1/responses", upstream.handle_responses)
     app.router.add_post("/v1/completions", upstream.handle_completions)
     app.router.add_post("/v1/embeddings", upstream.handle_embeddings)

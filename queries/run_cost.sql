@@ -8,6 +8,11 @@
 -- listed with their outcome and cost 0. price_known = false: the model has no known price and
 -- its cost is counted as 0 (see unpriced_models).
 --
+-- cost_parts: what made up the cost, USD by token kind and fee (input, cache_read, cache_write,
+-- output, reasoning, input_audio, output_audio, and per-use fees: web_search, file_search,
+-- code_execution); billed_units: what was billed beyond text tokens (audio tokens, uses of the
+-- provider's tools). Both from the model spans' attributes (cost.*, billed.*).
+--
 -- row = 'step'  one step (model call) — cumulative_usd runs over steps in order;
 --       'model' subtotal of one model over the run (step = 0);
 --       'run'   the run's total (step = 0, model = '').
@@ -31,7 +36,9 @@ SELECT
     if(row = 'step', sum(usd) OVER (PARTITION BY row ORDER BY step, model ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW), NULL) AS cumulative_usd,
     round(if(run_usd = 0, 0, 100 * toFloat64(usd) / toFloat64(run_usd)), 2) AS share_pct,
     row = 'step' AND usd > 0 AND usd = max(if(row = 'step', usd, 0)) OVER () AS most_expensive,
-    all_priced AS price_known
+    all_priced AS price_known,
+    arrayStringConcat(arrayMap((k, v) -> concat(k, ' ', toString(v)), parts.1, parts.2), ', ') AS cost_parts,
+    arrayStringConcat(arrayMap((k, v) -> concat(k, ' ', toString(v)), units.1, units.2), ', ') AS billed_units
 FROM
 (
     SELECT
@@ -53,7 +60,15 @@ FROM
             sum(output_tokens) AS n_output,
             sum(reasoning_tokens) AS n_reasoning,
             sum(cost_usd) AS usd,
-            min(price_known) AS all_priced
+            min(price_known) AS all_priced,
+            sumMap(
+                arrayMap(k -> substring(k, 6), arrayFilter(k -> startsWith(k, 'cost.'), mapKeys(attributes))),
+                arrayMap(k -> toDecimal128(attributes[k], 9), arrayFilter(k -> startsWith(k, 'cost.'), mapKeys(attributes)))
+            ) AS parts,
+            sumMap(
+                arrayMap(k -> substring(k, 8), arrayFilter(k -> startsWith(k, 'billed.'), mapKeys(attributes))),
+                arrayMap(k -> toUInt64(attributes[k]), arrayFilter(k -> startsWith(k, 'billed.'), mapKeys(attributes)))
+            ) AS units
         FROM runcap.spans
         WHERE kind = 'model'
             AND run_id = if(

@@ -5,6 +5,12 @@
 -- `runcap run RUN_ID`. `context` says what a context policy did to a model call's request
 -- (policy, input tokens removed, and the hash prefix of the request as the agent sent it — in
 -- full in attributes['context.original_request_hash']; request_hash is the one forwarded), or, for a call refused by X-Run-Max-Context-Tokens, the cap.
+-- `cost_parts` says what made up a model call's cost, USD by token kind and fee (input,
+-- cache_read, cache_write, output, reasoning, input_audio, output_audio, web_search,
+-- file_search, code_execution), with the billed units beyond text tokens (audio tokens, uses of
+-- the provider's tools) and runcap's bound on those uses; a tool call the provider executed for
+-- the model (a remote MCP server, a web search) is a `tool_call` with tool `(provider) NAME`.
+--
 -- `detail` is what a terminal shows of a span beyond its figures: a note on what the other
 -- columns cannot say, then the error (also in `error`, whole up to 200 characters). The notes:
 --   caps_change   who changed the caps, what changed (old→new) and why
@@ -16,7 +22,7 @@
 --   a model call that got no answer: "not a step" (attributes step.counted, upstream.failures).
 --
 -- Columns kept first on a narrow terminal (`runcap run` at 80 columns):
--- @priority step kind tool outcome detail cost_usd status_code context request_hash response_hash input_tokens output_tokens duration_ms started_at model cumulative_usd idempotency_key args_hash result_hash
+-- @priority step kind tool outcome detail cost_usd status_code context request_hash response_hash input_tokens output_tokens duration_ms started_at model cumulative_usd idempotency_key args_hash result_hash cost_parts
 --
 -- @param run_id  String                = ''                          -- the run; '' = the most recently active run
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR    -- window for picking the run when run_id = ''
@@ -25,10 +31,20 @@ SELECT
     step,
     kind,
     model,
-    tool_name AS tool,
+    if(attributes['tool.executed_by'] = 'provider', concat('(provider) ', tool_name), tool_name) AS tool,
     input_tokens,
     output_tokens,
     cost_usd,
+    arrayStringConcat(
+        arrayConcat(
+            arrayMap(k -> concat(substring(k, 6), ' ', attributes[k]),
+                     arraySort(arrayFilter(k -> startsWith(k, 'cost.'), mapKeys(attributes)))),
+            arrayMap(k -> concat(substring(k, 8), ' x', attributes[k]),
+                     arraySort(arrayFilter(k -> startsWith(k, 'billed.'), mapKeys(attributes)))),
+            if(attributes['hosted.max_uses_set'] != '', [concat('uses <= ', attributes['hosted.max_uses_set'])], [])
+        ),
+        ', '
+    ) AS cost_parts,
     sum(cost_usd) OVER (ORDER BY started_at, kind_order, span_id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cumulative_usd,
     args_hash,
     result_hash,

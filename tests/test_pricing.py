@@ -244,3 +244,80 @@ def test_lookup_cache_is_bounded() -> None:
 )
 def test_max_output_tokens(model: str, expected: int | None) -> None:
     assert max_output_tokens("openai", model) == expected
+
+
+BILLED_USAGES = [
+    Usage(input_tokens=4000, output_tokens=2500, input_audio_tokens=1500, output_audio_tokens=2000),
+    Usage(input_tokens=250_000, cache_read_tokens=1000, output_tokens=900, tool_uses={"web_search": 7}),
+    Usage(input_tokens=3000, output_tokens=10, tool_uses={"file_search": 3, "web_search": 1}),
+]
+
+
+def test_price_variants_audio_and_searches_match_genai_prices(book: PriceBook) -> None:
+    """Every price variant (service tier, fast mode, batch...), audio tokens and search fees
+    priced like genai-prices' `calc_price(..., price_context=...)`; the worst-case rates of a
+    variant bound what it charges; a variant the model lacks is not `known_option`."""
+    compared = 0
+    for provider in data_snapshot.get_snapshot().providers:
+        for model in provider.models:
+            if not model.is_match(model.id):
+                continue
+            contexts = [{}] + [dict(v.when) for v in model.price_variants or ()]
+            for context in contexts:
+                options = tuple(sorted(context.items()))
+                assert book.known_option(provider.id, model.id, options) or not book.is_priced(
+                    provider.id, model.id
+                )
+                for usage in BILLED_USAGES:
+                    ours = book.cost(provider.id, model.id, usage, options)
+                    if not ours.known:
+                        continue
+                    u = genai_prices.Usage(
+                        input_tokens=usage.input_tokens,
+                        cache_read_tokens=usage.cache_read_tokens or None,
+                        output_tokens=usage.output_tokens,
+                        input_audio_tokens=usage.input_audio_tokens or None,
+                        output_audio_tokens=usage.output_audio_tokens or None,
+                        web_searches=usage.tool_uses.get("web_search"),
+                        storage_searches=usage.tool_uses.get("file_search"),
+                    )
+                    theirs = genai_prices.calc_price(
+                        u, model.id, provider_id=provider.id, price_context=context or None
+                    )
+                    expected = theirs.total_price.quantize(Decimal("1e-9"), rounding=ROUND_CEILING)
+                    assert ours.usd == expected, (provider.id, model.id, context, usage, theirs)
+                    assert sum((v for _, v in ours.parts), Decimal(0)) == theirs.total_price
+                    compared += 1
+    assert compared > 1000
+    assert not book.known_option("openai", "gpt-4o-mini", (("service_tier", "flex"),))
+    assert book.known_option("openai", "gpt-5", (("service_tier", "flex"),))
+
+
+def test_worst_case_rates_cover_the_variant_and_audio(book: PriceBook) -> None:
+    std = book.worst_case_rates("openai", "gpt-5")
+    prio = book.worst_case_rates("openai", "gpt-5", (("service_tier", "priority"),))
+    assert std is not None and prio is not None
+    assert prio == (2 * std[0], 2 * std[1])  # $2.50 / $20 per M
+    text = book.worst_case_rates("openai", "gpt-audio")
+    audio = book.worst_case_rates("openai", "gpt-audio", audio=True)
+    assert text == (Decimal("2.5") / 10**6, Decimal(10) / 10**6)
+    assert audio == (Decimal(32) / 10**6, Decimal(64) / 10**6)
+
+
+def test_declared_fees(book: PriceBook) -> None:
+    declared = PriceBook(
+        {
+            "*": ModelPrice(None, None, code_execution_usd=Decimal("0.03"), web_search_usd=1, tokens=False),
+            "gpt-4o": ModelPrice(None, None, web_search_usd=Decimal("0.05"), tokens=False),
+        }
+    )
+    usage = Usage(input_tokens=10, output_tokens=10, tool_uses={"web_search": 2, "code_execution": 1})
+    # gpt-5: genai-prices' $10/1k searches (the "*" table only fills what the table lacks)
+    cost = declared.cost("openai", "gpt-5", usage)
+    assert dict(cost.parts)["web_search"] == Decimal("0.02") and dict(cost.parts)[
+        "code_execution"
+    ] == Decimal("0.03")
+    assert dict(declared.cost("openai", "gpt-4o", usage).parts)["web_search"] == Decimal("0.10")
+    # Without a declaration, a fee nobody priced makes the cost unknown, never a silent $0.
+    assert book.cost("openai", "gpt-5", usage).known is False
+    assert book.fee("openai", "gpt-5", "code_execution") is None

@@ -219,8 +219,15 @@ def test_run_cost_of_one_run(env: Env) -> None:
          "cumulative_usd": None if r["cumulative_usd"] is None else Decimal(r["cumulative_usd"])}
         for r in rows
     ]  # fmt: skip
+    # What made up each cost (checked below): the other columns are compared as they were.
+    parts = [(r.pop("cost_parts"), r.pop("billed_units")) for r in got]
     assert got == expected
     assert seen.steps[1].usage.cache_read_tokens == 40  # the scripted cache hit is in there
+    for (text, units), row in zip(parts, got, strict=True):
+        kinds = dict(part.rsplit(" ", 1) for part in text.split(", "))
+        assert set(kinds) <= {"input", "cache_read", "output"} and units == ""
+        assert sum(Decimal(v) for v in kinds.values()) == row["cost_usd"]
+    assert "cache_read" in dict(p.rsplit(" ", 1) for p in parts[1][0].split(", "))
 
 
 def test_run_cost_defaults_to_the_most_expensive_run(env: Env) -> None:

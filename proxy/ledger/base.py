@@ -142,6 +142,18 @@ class StepRequest:
     counts_as_step: bool = True  # embeddings spend tokens and dollars but are not agent steps
     # Consecutive upstream failures after which the run's calls are refused (`[caps]`); None: no limit.
     max_upstream_failures: int | None = None
+    # Priced or refused (DESIGN.md "Enforcement rules"): what the call may be billed beyond its
+    # input and output tokens. `fixed_usd_nanos`: fees it pays whatever it answers (a search
+    # model's search). Uses of hosted tools (the provider's web search, file search, code
+    # execution, MCP calls): each is an internal model call that may add up to `use_tokens` input
+    # tokens (the model's context window) and cost up to `use_usd_nanos` (those tokens at the
+    # worst input rate plus the tool's per-use fee); `uses_wanted` is the request's own limit on
+    # them (None: unbounded, so runcap sets one: `Reservation.hosted_uses`).
+    fixed_usd_nanos: int = 0
+    hosted_tools: bool = False
+    use_tokens: int = 0
+    use_usd_nanos: int = 0
+    uses_wanted: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +174,10 @@ class Reservation:
     # and settled the same way — there is no row to settle.
     ledgered: bool = True
     counts_as_step: bool = True  # the call took a step (given back when it gets no answer)
+    # The limit on hosted-tool uses to write into the request (below its own, or where it set
+    # none), or None to leave the request as it is; `uses` is what the reservation covers.
+    hosted_uses: int | None = None
+    uses: int = 0
 
     @property
     def tokens(self) -> int:
@@ -482,7 +498,10 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
     limit = wanted
     useful = min(req.min_output_tokens, wanted)
     capped = False
-    input_cost = tokens_cost_nanos(req.input_tokens_bound, in_rate)
+    uses, hosted_uses = _hosted_uses(state, req, final_reason is not None, in_rate, out_rate, useful)
+    input_tokens = req.input_tokens_bound + uses * req.use_tokens
+    input_cost = tokens_cost_nanos(req.input_tokens_bound, in_rate) + req.fixed_usd_nanos
+    input_cost += uses * req.use_usd_nanos
 
     if caps.max_usd_nanos is not None and priced:
         capped = True
@@ -495,20 +514,21 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
                 f"X-Run-Max-Usd: run {state.run_id} has ${format_usd(max(left, 0))} left of its "
                 f"${format_usd(caps.max_usd_nanos)} cap (spent ${format_usd(state.spent_usd_nanos)}, "
                 f"${format_usd(state.reserved_usd_nanos)} reserved by calls in flight); this call needs "
-                f"at least ${format_usd(need)} ({req.input_tokens_bound} input tokens at most + {useful} "
-                f"output tokens of {req.model}). The run is out of budget: end it or start a new run.",
+                f"at least ${format_usd(need)} ({input_tokens} input tokens at most + {useful} "
+                f"output tokens of {req.model}{_fees_text(req, uses)}). The run is out of budget: end it "
+                "or start a new run.",
             )
         limit = min(limit, affordable)
     if caps.max_tokens is not None:
         capped = True
         left_tokens = caps.max_tokens - state.tokens_used - state.reserved_tokens
-        affordable_tokens = left_tokens - req.input_tokens_bound
+        affordable_tokens = left_tokens - input_tokens
         if affordable_tokens < useful:
             raise BudgetExceeded(
                 "max_tokens",
                 f"X-Run-Max-Tokens: run {state.run_id} has {max(left_tokens, 0)} of its {caps.max_tokens} "
                 f"tokens left ({state.reserved_tokens} reserved by calls in flight); this call needs at "
-                f"least {req.input_tokens_bound + useful} ({req.input_tokens_bound} input at most + "
+                f"least {input_tokens + useful} ({input_tokens} input at most + "
                 f"{useful} output). The run is out of tokens: end it or start a new run.",
             )
         limit = min(limit, affordable_tokens)
@@ -523,7 +543,7 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
         if final_reason is not None:
             state.final_reason = final_reason
     state.reserved_usd_nanos += usd
-    state.reserved_tokens += req.input_tokens_bound + limit
+    state.reserved_tokens += input_tokens + limit
     if state.status not in TERMINAL_STATUSES:
         state.status = "active"
     return Reservation(
@@ -531,14 +551,79 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
         run_id=state.run_id,
         step=state.steps,
         usd_nanos=usd,
-        input_tokens=req.input_tokens_bound,
+        input_tokens=input_tokens,
         output_tokens=limit,
         output_limit=output_limit,
         clamped=limit < wanted,
         final_step=final_reason is not None,
         state=replace(state),
         counts_as_step=req.counts_as_step,
+        hosted_uses=hosted_uses,
+        uses=uses,
     )
+
+
+# Hosted-tool uses runcap allows in one call when the request sets no limit and only the
+# tool-call cap (or nothing) bounds them: the uses a dollar or token cap leaves are counted
+# individually, so this only caps an enormous budget's count.
+MAX_HOSTED_USES = 64
+
+
+def _hosted_uses(
+    state: RunState, req: StepRequest, answer_only: bool, in_rate: Decimal, out_rate: Decimal, useful: int
+) -> tuple[int, int | None]:
+    """(uses the reservation covers, the limit to write into the request or None).
+
+    Each use of a hosted tool is bounded by what is true — an internal call reads at most the
+    model's context window, plus the tool's fee — and their number by the request's own limit,
+    lowered to what the run's dollar, token and tool-call caps leave; where the request sets no
+    limit runcap sets one. An answer-only step has its tools stripped: no use."""
+    if not req.hosted_tools or answer_only:
+        return 0, None
+    caps = state.caps
+    wanted = req.uses_wanted
+    bounds: list[int] = [] if wanted is None else [wanted]
+    if caps.max_tool_calls is not None:
+        bounds.append(max(0, caps.max_tool_calls - state.tool_calls))
+    money = caps.max_usd_nanos is not None and req.input_usd_per_mtok is not None
+    if money and req.use_usd_nanos > 0:
+        assert caps.max_usd_nanos is not None
+        left = caps.max_usd_nanos - state.spent_usd_nanos - state.reserved_usd_nanos
+        left -= tokens_cost_nanos(req.input_tokens_bound, in_rate) + req.fixed_usd_nanos
+        left -= tokens_cost_nanos(useful, out_rate)
+        bounds.append(max(0, left // req.use_usd_nanos))
+    if caps.max_tokens is not None and req.use_tokens > 0:
+        left_tokens = caps.max_tokens - state.tokens_used - state.reserved_tokens
+        bounds.append(max(0, (left_tokens - req.input_tokens_bound - useful) // req.use_tokens))
+    if not bounds:
+        return 0, None  # nothing to enforce: the request goes as it is, its uses unreserved
+    if wanted is None:
+        bounds.append(MAX_HOSTED_USES)
+    uses = min(bounds)
+    if (
+        uses < 1
+        and (money or caps.max_tokens is not None)
+        and (caps.max_tool_calls is None or caps.max_tool_calls > state.tool_calls)
+    ):
+        cap = "X-Run-Max-Usd" if money else "X-Run-Max-Tokens"
+        raise BudgetExceeded(
+            "max_usd" if money else "max_tokens",
+            f"{cap}: run {state.run_id} cannot afford one use of the request's hosted tools (web "
+            f"search, file search, code execution, MCP...): each use is an internal call of {req.model} "
+            f"that may read up to {req.use_tokens} input tokens (its context window)"
+            + (f" and costs up to ${format_usd(req.use_usd_nanos)}" if money else "")
+            + ". Remove the hosted tools, or end the run.",
+        )
+    return uses, (uses if wanted is None or uses < wanted else None)
+
+
+def _fees_text(req: StepRequest, uses: int) -> str:
+    parts = []
+    if uses:
+        parts.append(f"{uses} hosted-tool uses")
+    if req.fixed_usd_nanos:
+        parts.append(f"${format_usd(req.fixed_usd_nanos)} of fees")
+    return (" + " + " + ".join(parts)) if parts else ""
 
 
 _HEADER = {"max_steps": "X-Run-Max-Steps", "max_tool_calls": "X-Run-Max-Tool-Calls"}

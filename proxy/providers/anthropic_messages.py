@@ -22,6 +22,7 @@ import orjson
 
 from .base import (
     BodyError,
+    HostedTool,
     RequestInfo,
     ResponseInfo,
     ToolCall,
@@ -29,6 +30,13 @@ from .base import (
     Usage,
     context_digest,
     turn_key,
+)
+from .billable import (
+    anthropic_hosted_tools,
+    anthropic_provider_calls,
+    anthropic_speed,
+    count_references,
+    set_anthropic_max_uses,
 )
 from .body import (
     BASE_OVERHEAD,
@@ -72,12 +80,30 @@ def _usage(input_tokens: int, output_tokens: int, cache_read: int, cache_write: 
 def anthropic_usage(usage: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
-    return _usage(
+    out = _usage(
         count(usage, "input_tokens"),
         count(usage, "output_tokens"),
         count(usage, "cache_read_input_tokens"),
         count(usage, "cache_creation_input_tokens"),
     )
+    searches = count(usage.get("server_tool_use"), "web_search_requests")
+    if searches:
+        out.tool_uses = {"web_search": searches}
+    return out
+
+
+def _served_speed(usage: Any) -> tuple[tuple[str, str], ...] | None:
+    """The speed an answer says it was served at (`usage.speed`), None when it did not say."""
+    speed = usage.get("speed") if isinstance(usage, dict) else None
+    if speed == "fast":
+        return (("speed", "fast"),)
+    return () if speed == "standard" else None
+
+
+def _is_reference(block: dict[str, Any]) -> bool:
+    """An image or document given by URL or file id: rendered at the provider, not in the body."""
+    source = block.get("source") if block.get("type") in ("image", "document") else None
+    return isinstance(source, dict) and source.get("type") in ("url", "file")
 
 
 def _media_block(block: dict[str, Any]) -> int:
@@ -166,6 +192,9 @@ class MessagesStreamReader(SSEStreamReader):
         self._calls: dict[int, list[Any]] = {}
         self._text: list[str] = []
         self._other_blocks = False  # thinking, server tools...: no turn key
+        self._searches = 0  # usage.server_tool_use.web_search_requests (cumulative)
+        self._speed: tuple[tuple[str, str], ...] | None = None
+        self._provider_calls: dict[int, ToolCall] = {}  # server_tool_use blocks by index
 
     def on_event(self, event: SSEEvent) -> bool:
         data = event.json()
@@ -190,6 +219,9 @@ class MessagesStreamReader(SSEStreamReader):
                 self._other_blocks = True
             if isinstance(block, dict) and block.get("type") == "text" and block.get("text"):
                 self._text.append(block["text"])
+            if isinstance(block, dict):
+                for call in anthropic_provider_calls([block]):
+                    self._provider_calls[data.get("index", len(self._provider_calls))] = call
             if isinstance(block, dict) and block.get("type") == "tool_use":
                 start = block.get("input")
                 fragments = [compact_json(start)] if start else []
@@ -222,6 +254,9 @@ class MessagesStreamReader(SSEStreamReader):
     def _read_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):
             return
+        if isinstance(usage.get("server_tool_use"), dict):
+            self._searches = count(usage["server_tool_use"], "web_search_requests")
+        self._speed = _served_speed(usage) if "speed" in usage else self._speed
         counts = self._counts or {"input": 0, "output": 0, "cache_read": 0, "cache_write": 0}
         # Later counts are cumulative: each field present replaces the earlier value.
         for field, key in (
@@ -241,6 +276,8 @@ class MessagesStreamReader(SSEStreamReader):
         usage = None
         if counts is not None:
             usage = _usage(counts["input"], counts["output"], counts["cache_read"], counts["cache_write"])
+            if self._searches:
+                usage.tool_uses = {"web_search": self._searches}
         return ResponseInfo(
             model=self._model,
             usage=usage,
@@ -252,6 +289,8 @@ class MessagesStreamReader(SSEStreamReader):
             else turn_key("".join(self._text), [(c.name, c.arguments) for c in calls]),
             complete=self.complete,
             error=self.error,
+            price_options=self._speed,
+            provider_tool_calls=list(self._provider_calls.values()),
         )
 
 
@@ -292,7 +331,8 @@ class MessagesAdapter:
         tools = list_field(body, "tools")
 
         bound = BASE_OVERHEAD + _CONTENT(body.get("system"))
-        bound += MESSAGE_OVERHEAD * len(messages) + _CONTENT(messages)
+        content_bound_, blob = _CONTENT.with_json(messages)
+        bound += MESSAGE_OVERHEAD * len(messages) + content_bound_
         results: list[ToolResult] = []
         last_assistant = -1
         for i, message in enumerate(messages):
@@ -319,8 +359,13 @@ class MessagesAdapter:
                 # their definitions are added by the provider.
                 if isinstance(tool, dict) and "input_schema" not in tool:
                     bound += BUILTIN_TOOL_BOUND
-        for server in list_field(body, "mcp_servers"):
+        servers = list_field(body, "mcp_servers")
+        for server in servers:
             bound += BUILTIN_TOOL_BOUND + _CONTENT(server)
+        hosted = anthropic_hosted_tools(tools)
+        if servers:  # the MCP connector: remote tools the provider calls, with no use limit
+            hosted.append(HostedTool("mcp_servers", None, None, priced=False))
+        media = b'"type":"url"' in blob or b'"type":"file"' in blob
         # Structured outputs: the JSON schema the answer must follow (old and new field).
         config = body.get("output_config")
         for schema in (body.get("output_format"), config.get("format") if isinstance(config, dict) else None):
@@ -348,6 +393,9 @@ class MessagesAdapter:
                 thread,
             ),
             stored_context=_thread_context(thread),
+            price_option=anthropic_speed(body),
+            hosted_tools=hosted,
+            by_reference=count_references(messages, _is_reference) if media else 0,
         )
 
     def history_item(self, item: Any) -> tuple[int, bytes | None]:
@@ -401,7 +449,12 @@ class MessagesAdapter:
             finished=isinstance(stop, str) and stop not in _NOT_FINAL and not calls,
             response_id=text_of(body, "id"),
             turn=_blocks_turn(content),
+            price_options=_served_speed(body.get("usage")),
+            provider_tool_calls=anthropic_provider_calls(content),
         )
+
+    def set_hosted_limit(self, body: dict[str, Any], info: RequestInfo, uses: int) -> None:
+        set_anthropic_max_uses(body, info.hosted_tools, uses)
 
     def stream_reader(self, strip_injected_usage: bool) -> MessagesStreamReader:
         return MessagesStreamReader()

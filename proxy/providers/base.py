@@ -9,9 +9,29 @@ span pipeline only ever see `Usage`, `ToolCall`, `ToolResult`, `RequestInfo` and
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+class _NoUses(Mapping[str, int]):
+    """The `Usage.tool_uses` of a call that used no tool billed per use: one shared empty
+    mapping that cannot change (a dict per `Usage` was a third of its cost)."""
+
+    def __getitem__(self, key: str) -> int:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __hash__(self) -> int:
+        return 0
+
+
+NO_USES: Mapping[str, int] = _NoUses()
 
 
 class BodyError(ValueError):
@@ -31,7 +51,9 @@ class Usage:
     `input_tokens + cache_read_input_tokens + cache_creation_input_tokens`), so that the token cap
     and the spans count every token the provider processed. `cache_read_tokens` and
     `cache_write_tokens` are the parts of it read from / written to the prompt cache.
-    `output_tokens` includes `reasoning_tokens`.
+    `output_tokens` includes `reasoning_tokens` and `output_audio_tokens`; `input_tokens` includes
+    `input_audio_tokens`. `tool_uses` counts the uses of tools the provider ran for the model that
+    are billed per use (`proxy.pricing.FEE_KINDS`: web searches, file searches, code execution).
     """
 
     input_tokens: int = 0
@@ -39,6 +61,9 @@ class Usage:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     reasoning_tokens: int = 0
+    input_audio_tokens: int = 0
+    output_audio_tokens: int = 0
+    tool_uses: Mapping[str, int] = NO_USES  # replaced, never changed in place
 
     @property
     def total_tokens(self) -> int:
@@ -52,6 +77,21 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # raw JSON text as the model produced it (may not parse)
+
+
+@dataclass(slots=True)
+class HostedTool:
+    """A tool in the request that the provider runs for the model (web search, file search, code
+    execution, a remote MCP server, web fetch): each use is an internal model call whose results
+    join the input, and some are billed per use (`fee`: a `proxy.pricing.FEE_KINDS` kind)."""
+
+    type: str  # as the request names it: "web_search_20250305", "mcp", "file_search"...
+    fee: str | None  # the per-use fee kind, None when its uses cost tokens only
+    limit: int | None  # the request's own limit on its uses (Anthropic `max_uses`), None: none
+    index: int = -1  # its position in the request's `tools`
+    priced: bool = True  # False: a hosted tool whose billing runcap does not model
+    # Used on every call, up to `limit` (a chat search model's one search): settled at that.
+    always: bool = False
 
 
 @dataclass(slots=True)
@@ -92,6 +132,19 @@ class RequestInfo:
     # space-separated. Its tokens are not in the body, so `input_token_bound` does not cover them,
     # and tools it holds stay live even when the body has none.
     stored_context: str = ""
+    # Priced or refused (DESIGN.md "Enforcement rules"). The request option that selects a price
+    # variant, as a genai-prices price-context pair (`("service_tier", "priority")`,
+    # `("speed", "fast")`; `("service_tier", "auto")`: the provider picks); None: not set.
+    price_option: tuple[str, str] | None = None
+    # The call may read or write audio (audio input parts, an audio output modality).
+    audio: bool = False
+    # Tools the provider runs for the model, and the request's limit on their uses taken
+    # together (OpenAI Responses `max_tool_calls`; None: none).
+    hosted_tools: list[HostedTool] = field(default_factory=list)
+    hosted_limit: int | None = None
+    # Inputs the body does not carry (a document or file by URL or id): each is rendered at the
+    # provider, up to the model's context window.
+    by_reference: int = 0
 
 
 @dataclass(slots=True)
@@ -115,6 +168,13 @@ class ResponseInfo:
     # An error the upstream reported inside the stream (Anthropic `error` event, an OpenAI error
     # chunk or event, Responses `response.failed`), or why the stream could not be read; "" if none.
     error: str = ""
+    # The price variant the provider says it served the call at (OpenAI `service_tier`,
+    # Anthropic `usage.speed`), as genai-prices price context; None when it did not say.
+    price_options: tuple[tuple[str, str], ...] | None = None
+    # Tool calls the provider executed for the model (Responses `mcp_call`, `web_search_call`,
+    # `file_search_call`, `code_interpreter_call`; Anthropic `server_tool_use`): they count
+    # against X-Run-Max-Tool-Calls and are `tool_call` spans, but the agent executes none of them.
+    provider_tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class StreamReader(Protocol):
@@ -145,6 +205,10 @@ class Adapter(Protocol):
     min_output_limit: int
 
     def parse_request(self, body: dict[str, Any]) -> RequestInfo: ...
+
+    def set_hosted_limit(self, body: dict[str, Any], info: RequestInfo, uses: int) -> None:
+        """Bound the uses of the request's hosted tools the request leaves unbounded to `uses`
+        (Responses `max_tool_calls` for all of them; Anthropic `max_uses` per tool)."""
 
     def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         """Set the output-token limit in the request body (the field this format uses).

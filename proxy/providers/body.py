@@ -113,14 +113,19 @@ class ContentBound:
         self._markers = tuple(b'"type":"' + kind.encode() + b'"' for kind in media)
 
     def __call__(self, value: Any) -> int:
+        return self.with_json(value)[0]
+
+    def with_json(self, value: Any) -> tuple[int, bytes]:
+        """The bound, and the compact JSON it was read from (b"" when it could not be written),
+        for a caller that looks for markers in it too (proxy/providers/billable.py)."""
         try:
             blob = orjson.dumps(value)
         except TypeError:
-            return content_bound(value, self.parts)
+            return content_bound(value, self.parts), b""
         for marker in self._markers:
             if marker in blob:
-                return content_bound(value, self.parts)
-        return len(blob)
+                return content_bound(value, self.parts), blob
+        return len(blob), blob
 
 
 # --- request fields -------------------------------------------------------------------------

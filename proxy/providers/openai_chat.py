@@ -13,6 +13,7 @@ from proxy.bounds import MAX_CHOICES
 
 from .base import (
     BodyError,
+    HostedTool,
     RequestInfo,
     ResponseInfo,
     ToolCall,
@@ -21,6 +22,7 @@ from .base import (
     context_digest,
     turn_key,
 )
+from .billable import count_references, openai_service_tier, served_tier
 from .body import (
     BASE_OVERHEAD,
     MEDIA_TOKEN_BOUND,
@@ -57,7 +59,15 @@ def openai_usage(usage: Any) -> Usage | None:
         cache_read_tokens=count(prompt, "cached_tokens"),
         cache_write_tokens=count(prompt, "cache_write_tokens"),
         reasoning_tokens=count(completion, "reasoning_tokens"),
+        input_audio_tokens=count(prompt, "audio_tokens"),
+        output_audio_tokens=count(completion, "audio_tokens"),
     )
+
+
+def _is_reference(part: dict[str, Any]) -> bool:
+    """A file given by id (rendered at the provider: its tokens are not in the body)."""
+    file = part.get("file") if part.get("type") == "file" else None
+    return isinstance(file, dict) and file.get("file_data") is None
 
 
 def choices_count(body: dict[str, Any], name: str = "n") -> int:
@@ -160,6 +170,7 @@ class ChatStreamReader(SSEStreamReader):
         self._calls: dict[tuple[int, int], list[Any]] = {}
         self._text: list[str] = []  # choice 0's content, for the answer's turn key
         self._choices: set[int] = set()
+        self._tier: tuple[tuple[str, str], ...] | None = None
 
     def on_event(self, event: SSEEvent) -> bool:
         if event.data == b"[DONE]":
@@ -175,6 +186,8 @@ class ChatStreamReader(SSEStreamReader):
         if not self._model:
             self._model = text_of(chunk, "model")
             self._id = text_of(chunk, "id")
+        if "service_tier" in chunk:
+            self._tier = served_tier(chunk["service_tier"])
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self._usage = openai_usage(usage)
@@ -236,6 +249,7 @@ class ChatStreamReader(SSEStreamReader):
             turn=turn_key("".join(self._text), [(c.name, c.arguments) for c in calls]) if single else None,
             complete=self.complete,
             error=self.error,
+            price_options=self._tier,
         )
 
 
@@ -257,7 +271,8 @@ class ChatCompletionsAdapter:
         tools = list_field(body, "tools")
         functions = list_field(body, "functions")
 
-        bound = BASE_OVERHEAD + MESSAGE_OVERHEAD * len(messages) + _CONTENT(messages)
+        content, blob = _CONTENT.with_json(messages)
+        bound = BASE_OVERHEAD + MESSAGE_OVERHEAD * len(messages) + content
         results: list[ToolResult] = []
         last_assistant = -1
         for i, message in enumerate(messages):
@@ -276,6 +291,11 @@ class ChatCompletionsAdapter:
         response_format = body.get("response_format")
         if isinstance(response_format, dict) and "json_schema" in response_format:
             bound += json_bytes(response_format)
+        modalities = body.get("modalities")
+        audio = (isinstance(modalities, list) and "audio" in modalities) or b'"input_audio"' in blob
+        searched = body.get("web_search_options") is not None
+        # A search model searches once on every call (one web search fee), whatever it answers.
+        hosted = [HostedTool("web_search_options", "web_search", 1, always=True)] if searched else []
 
         return RequestInfo(
             model=model,
@@ -285,6 +305,10 @@ class ChatCompletionsAdapter:
             tool_results=results,
             input_token_bound=bound,
             client_wants_stream_usage=stream and wants_stream_usage(body),
+            price_option=openai_service_tier(body),
+            audio=audio,
+            hosted_tools=hosted,
+            by_reference=count_references(messages, _is_reference) if b'"file_id"' in blob else 0,
             history=messages,
             context=context_digest(
                 model,
@@ -360,6 +384,7 @@ class ChatCompletionsAdapter:
             finished=bool(choices) and not calls,
             response_id=text_of(body, "id"),
             turn=turn,
+            price_options=served_tier(body.get("service_tier")),
         )
 
     def stream_reader(self, strip_injected_usage: bool) -> ChatStreamReader:

@@ -12,6 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from .base import BodyError, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
+from .billable import (
+    count_references,
+    openai_service_tier,
+    responses_hosted_tools,
+    responses_provider_calls,
+    served_tier,
+)
 from .body import (
     BASE_OVERHEAD,
     BUILTIN_TOOL_BOUND,
@@ -51,17 +58,33 @@ _DELTA_EVENTS = frozenset(("response.function_call_arguments.delta", "response.c
 _TERMINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "response.failed"))
 
 
-def responses_usage(usage: Any) -> Usage | None:
+def responses_usage(usage: Any, output: Any = None) -> Usage | None:
+    """The response's usage, with the per-use fees its provider-executed calls bill (`output`)."""
     if not isinstance(usage, dict):
         return None
     details = usage.get("input_tokens_details")
+    out_details = usage.get("output_tokens_details")
     return Usage(
         input_tokens=count(usage, "input_tokens"),
         output_tokens=count(usage, "output_tokens"),
         cache_read_tokens=count(details, "cached_tokens"),
         cache_write_tokens=count(details, "cache_write_tokens"),
-        reasoning_tokens=count(usage.get("output_tokens_details"), "reasoning_tokens"),
+        reasoning_tokens=count(out_details, "reasoning_tokens"),
+        input_audio_tokens=count(details, "audio_tokens"),
+        output_audio_tokens=count(out_details, "audio_tokens"),
+        tool_uses=responses_provider_calls(output)[1],
     )
+
+
+def _is_reference(part: dict[str, Any]) -> bool:
+    """A file or image given by id or URL (rendered at the provider, not in the body)."""
+    kind = part.get("type")
+    if kind == "input_file":
+        return part.get("file_data") is None
+    if kind == "input_image":
+        url = part.get("image_url")
+        return part.get("file_id") is not None and url is None
+    return False
 
 
 def _stored_context(body: dict[str, Any]) -> str:
@@ -162,6 +185,8 @@ class ResponsesStreamReader(SSEStreamReader):
         # output_index -> ToolCall being built (arguments accumulate from deltas)
         self._calls: dict[int, ToolCall] = {}
         self._item_ids: dict[int, str] = {}  # output_index -> output item id
+        self._tier: tuple[tuple[str, str], ...] | None = None
+        self._provider_calls: list[ToolCall] = []
 
     def on_event(self, event: SSEEvent) -> bool:
         data = event.json()
@@ -184,7 +209,9 @@ class ResponsesStreamReader(SSEStreamReader):
             response = data.get("response")
             self._read_response(response)
             if isinstance(response, dict):
-                self._usage = responses_usage(response.get("usage")) or self._usage
+                self._usage = responses_usage(response.get("usage"), response.get("output")) or self._usage
+                self._tier = served_tier(response.get("service_tier"))
+                self._provider_calls = responses_provider_calls(response.get("output"))[0]
                 if isinstance(response.get("output"), list):  # the authoritative final output
                     self._calls = dict(enumerate(_tool_calls(response["output"])))
                     self._item_ids = dict(enumerate(_item_ids(response["output"])))
@@ -213,6 +240,8 @@ class ResponsesStreamReader(SSEStreamReader):
             output_item_ids=list(self._item_ids.values()),
             complete=self.complete,
             error=self.error,
+            price_options=self._tier,
+            provider_tool_calls=self._provider_calls,
         )
 
 
@@ -234,11 +263,13 @@ class ResponsesAdapter:
 
         bound = BASE_OVERHEAD + _CONTENT(body.get("instructions"))
         results: list[ToolResult] = []
+        blob = b""
         items = body.get("input")
         if isinstance(items, str):
             bound += MESSAGE_OVERHEAD + text_bytes(items)
         elif isinstance(items, list):
-            bound += MESSAGE_OVERHEAD * len(items) + _CONTENT(items)
+            content, blob = _CONTENT.with_json(items)
+            bound += MESSAGE_OVERHEAD * len(items) + content
             last_assistant = -1
             for i, item in enumerate(items):
                 item = object_item(item, f"input[{i}]")
@@ -270,6 +301,8 @@ class ResponsesAdapter:
         prompt = body.get("prompt")
         if isinstance(prompt, dict):
             bound += _CONTENT(prompt.get("variables"))
+        hosted = responses_hosted_tools(tools)
+        refs = count_references(items, _is_reference) if isinstance(items, list) and b'"file_' in blob else 0
 
         return RequestInfo(
             model=model,
@@ -279,7 +312,15 @@ class ResponsesAdapter:
             tool_results=results,
             input_token_bound=bound,
             stored_context=_stored_context(body),
+            price_option=openai_service_tier(body),
+            audio=False,  # the Responses API takes and gives no audio
+            hosted_tools=hosted,
+            hosted_limit=limit_field(body, "max_tool_calls"),
+            by_reference=refs,
         )
+
+    def set_hosted_limit(self, body: dict[str, Any], info: RequestInfo, uses: int) -> None:
+        body["max_tool_calls"] = uses
 
     def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         body["max_output_tokens"] = limit
@@ -299,11 +340,13 @@ class ResponsesAdapter:
         status = body.get("status", "completed")
         return ResponseInfo(
             model=text_of(body, "model"),
-            usage=responses_usage(body.get("usage")),
+            usage=responses_usage(body.get("usage"), body.get("output")),
             tool_calls=calls,
             finished=status in _ENDED and not calls,
             response_id=text_of(body, "id"),
             output_item_ids=_item_ids(body.get("output")),
+            price_options=served_tier(body.get("service_tier")),
+            provider_tool_calls=responses_provider_calls(body.get("output"))[0],
         )
 
     def stream_reader(self, strip_injected_usage: bool) -> ResponsesStreamReader:

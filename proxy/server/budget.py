@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from decimal import Decimal
 from typing import TypeVar
 
@@ -31,6 +32,8 @@ from proxy.money import format_usd, usd_to_nanos
 from proxy.pricing import PriceBook, max_output_tokens
 from proxy.providers.base import Usage
 from proxy.providers.registry import free_endpoint
+from proxy.server.billing import quote as billing_quote
+from proxy.server.billing import settle_price
 from proxy.server.flow import Flow
 from proxy.server.history import ConversationMemory
 from proxy.server.metrics import Metrics
@@ -52,8 +55,6 @@ def passthrough_allowed(patterns: tuple[str, ...], path: str) -> bool:
 
 
 _MTOK = Decimal(1_000_000)
-# Input bound for provider-stored context of a model whose context window is unknown.
-UNKNOWN_CONTEXT_TOKENS = 1_000_000
 T = TypeVar("T")
 
 
@@ -92,29 +93,34 @@ class BudgetStep:
             return
         info = flow.info
         provider = pricing_provider(flow)
-        rates = self.prices.worst_case_rates(provider, info.model)
-        model_bound = (
-            self.config.model_max_output.get(info.model)
-            or max_output_tokens(provider, info.model)
-            or self.caps.default_output_tokens
-        )
         bound = (
             info.input_token_bound if run.generated else self.history.bound(run.run_id, flow.adapter, info)
         )
+        # Everything the call may be billed for beyond its tokens, bounded or refused (billing.py).
+        quote = billing_quote(flow, self.prices, provider, run.caps, bound)
+        flow.priced_model = model = quote.model
+        flow.price_options = quote.options
+        rates = quote.rates
+        model_bound = (
+            self.config.model_max_output.get(model)
+            or max_output_tokens(provider, model)
+            or self.caps.default_output_tokens
+        )
+        bound = quote.input_tokens_bound
         if info.stored_context:
             # Input kept by the provider (previous response, Anthropic thread, conversation,
             # stored prompt): its size if this process saw it answered, else the model's whole
             # context window.
             stored = self.history.stored_tokens(info.stored_context)
             if stored is None:
-                stored = self.prices.context_window(provider, info.model) or UNKNOWN_CONTEXT_TOKENS
+                stored = quote.window
             bound += stored
         req = StepRequest(
             run_id=run.run_id,
             task=run.task,
             caps=run.caps,
             now=time.time(),
-            model=info.model,
+            model=model,
             input_tokens_bound=bound,
             client_output_limit=info.max_output_tokens,
             model_output_bound=model_bound,
@@ -124,6 +130,11 @@ class BudgetStep:
             allow_unpriced=self.caps.allow_unpriced,
             counts_as_step=flow.adapter.name != "embeddings",
             max_upstream_failures=self.caps.max_upstream_failures,
+            fixed_usd_nanos=quote.fixed_usd_nanos,
+            hosted_tools=quote.hosted_tools,
+            use_tokens=quote.use_tokens,
+            use_usd_nanos=quote.use_usd_nanos,
+            uses_wanted=quote.uses_wanted,
         )
         if nothing_to_enforce(run.generated, run.caps) and flow.rewrite is None and not flow.inner:
             # Its own one-step run with no cap: nothing to reserve against, nothing to recover
@@ -158,6 +169,14 @@ class BudgetStep:
             flow.body_changed = True
             if res.clamped:
                 flow.clamped_to = res.output_limit
+        if res.hosted_uses is not None and not res.final_step:
+            # The request left its hosted tools' uses unbounded (or above what the caps leave):
+            # bounded on the forwarded body, and on the span.
+            adapter.set_hosted_limit(body, info, res.hosted_uses)
+            flow.body_changed = True
+            flow.billing["hosted.max_uses_set"] = str(res.hosted_uses)
+        if res.uses:
+            flow.billing["hosted.uses_reserved"] = str(res.uses)
         if res.final_step:
             flow.final_step = True
             # Context the provider holds may hold tools too (an Anthropic thread's, a stored
@@ -250,12 +269,11 @@ class BudgetStep:
             # A stream that ended without its closing event: the provider may have generated (and
             # billed) more than runcap saw, so it is settled at least at its reservation.
             seen = usage or Usage()
-            usage = Usage(
+            usage = replace(
+                seen,
                 input_tokens=max(seen.input_tokens, res.input_tokens),
                 output_tokens=max(seen.output_tokens, res.output_tokens),
-                cache_read_tokens=seen.cache_read_tokens,
-                cache_write_tokens=seen.cache_write_tokens,
-                reasoning_tokens=seen.reasoning_tokens,
+                tool_uses=dict(seen.tool_uses),
             )
         elif usage is None:
             if flow.upstream_status >= 400 or flow.upstream_unreached:
@@ -271,12 +289,11 @@ class BudgetStep:
                 usage = Usage(input_tokens=res.input_tokens, output_tokens=res.output_tokens)
         elif flow.streamed and info is not None and not info.complete:
             # A stream cut before its final usage: what was read so far is a lower bound.
-            usage = Usage(
+            usage = replace(
+                usage,
                 input_tokens=usage.input_tokens or res.input_tokens,
                 output_tokens=max(usage.output_tokens, res.output_tokens),
-                cache_read_tokens=usage.cache_read_tokens,
-                cache_write_tokens=usage.cache_write_tokens,
-                reasoning_tokens=usage.reasoning_tokens,
+                tool_uses=dict(usage.tool_uses),
             )
         if usage is not flow.usage_seen:
             # Settled above what the provider reported (a cut, a missing usage): those figures
@@ -287,17 +304,10 @@ class BudgetStep:
                 usage.output_tokens > seen.output_tokens,
             )
         # Priced as the model the call reserved for (a gateway or an Azure deployment may answer
-        # with a name of its own, unknown or cheaper), unless the answering model is known and
-        # dearer: never settled below what was really spent, never at an unknown $0 instead.
-        provider = pricing_provider(flow)
-        requested = flow.info.model if flow.info else ""
-        cost = self.prices.cost(provider, requested, usage)
-        answered = info.model if info else ""
-        if answered and answered != requested:
-            alt = self.prices.cost(provider, answered, usage)
-            if alt.known and (not cost.known or alt.usd > cost.usd):
-                cost = alt
+        # with a name of its own), at the variant it was served at (billing.py).
+        cost = settle_price(flow, self.prices, pricing_provider(flow), usage)
         flow.cost_nanos = usd_to_nanos(cost.usd)
+        flow.cost = cost  # what made up the cost: the span's `cost.*` attributes
         if flow.outcome == "incomplete":
             # Cache reads priced below the worst case must not bring it under what was reserved.
             flow.cost_nanos = max(flow.cost_nanos, res.usd_nanos)
@@ -310,7 +320,8 @@ class BudgetStep:
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
             cost_usd_nanos=flow.cost_nanos,
-            tool_calls_requested=len(info.tool_calls) if info else 0,
+            # Calls the provider executed for the model count like the ones it asks the agent for.
+            tool_calls_requested=len(info.tool_calls) + len(info.provider_tool_calls) if info else 0,
             # An answer without tool calls ends the run, also when its stream missed the closing
             # event after the stop reason (the answer reached the agent; only usage is unsure).
             finished=bool(info and info.finished and flow.outcome in ("ok", "incomplete")),

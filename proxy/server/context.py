@@ -1,11 +1,12 @@
 """The context step: measure each model call's context, apply the run's context policy, and
 enforce `X-Run-Max-Context-Tokens` — before the budget step reserves anything.
 
-For a call the agent made (not one runcap makes itself, `flow.inner`) to chat/completions,
-responses or messages:
+For every call to chat/completions, responses or messages — the agent's, and runcap's own
+(`flow.inner`: a `runcap_fetch` continuation, a summary), which pass the same checks:
 
 1. the policy — `X-Run-Context-Policy`, else the task's `context_policy` — is validated and
-   applied (proxy/context/policy.py rewrites the body; without one the body is never touched);
+   applied to the agent's call (proxy/context/policy.py rewrites the body; without one the body is
+   never touched; runcap's own calls are what a policy wrote);
 2. the forwarded request is measured (`ContextReading`): a lower and an upper bound of its input
    tokens, an estimate, and the share of its messages that is tool output;
 3. a step whose LOWER bound is above `X-Run-Max-Context-Tokens` is refused (402
@@ -165,11 +166,14 @@ class ContextStep:
     # -- request ------------------------------------------------------------------------------
 
     async def request(self, flow: Flow) -> None:
-        if flow.inner or flow.adapter is None or flow.adapter.name not in CONTEXT_ENDPOINTS:
+        if flow.adapter is None or flow.adapter.name not in CONTEXT_ENDPOINTS:
             return
         if flow.info is None or flow.body_json is None or flow.run is None:
             return
-        policies = self.policies(flow.request.headers, flow.run.task)
+        # runcap's own calls (a `runcap_fetch` continuation, a summary) are measured and capped
+        # like the agent's: they are steps of the run, and the provider bills their context.
+        # Only the policy is the agent's call's alone (it wrote these calls already).
+        policies = () if flow.inner else self.policies(flow.request.headers, flow.run.task)
         if policies:
             from proxy.context.policy import apply_policies  # the rewrite half (proxy/context/)
 

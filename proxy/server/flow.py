@@ -29,6 +29,7 @@ from proxy.config import UpstreamConfig
 from proxy.context import ContextReading, Rewrite
 from proxy.errors import Rejection
 from proxy.ledger.base import Reservation, RunState
+from proxy.pricing import Cost
 from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
 from proxy.server.upstream_url import UpstreamTarget
 
@@ -98,6 +99,13 @@ class Flow:
     inner: bool = False
     # What runcap measured of the request's context (proxy/server/context.py); None: not measured.
     context: ContextReading | None = None
+    # Priced or refused (proxy/server/billing.py): the model the call is priced as (the body's,
+    # or the one a deployment serves), the price variants its options may select, and what the
+    # budget step decided and settled beyond tokens, for the span (`attributes`).
+    priced_model: str = ""
+    cost: Cost | None = None  # as settled
+    price_options: tuple[tuple[tuple[str, str], ...], ...] = ((),)
+    billing: dict[str, str] = field(default_factory=dict)
     # A relayed stream's closing part (its closing event and anything after it), written only
     # after the done steps (forward.py): the agent has a complete answer only once it is on record.
     held_tail: bytes = b""

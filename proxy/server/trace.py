@@ -247,6 +247,23 @@ class TraceStep:
                 attributes[f"usage.seen_{name}_tokens"] = str(seen_tokens)
         if state is not None and state.upstream_failures:
             attributes["upstream.failures"] = str(state.upstream_failures)
+        if flow.billing:
+            attributes.update(flow.billing)  # runcap's bounds on what the call may be billed
+        if flow.cost is not None:
+            for kind, part in flow.cost.parts:  # what made up the cost
+                attributes[f"cost.{kind}"] = f"{part.normalize():f}"
+        if usage is not None:
+            if usage.input_audio_tokens:
+                attributes["billed.input_audio_tokens"] = str(usage.input_audio_tokens)
+            if usage.output_audio_tokens:
+                attributes["billed.output_audio_tokens"] = str(usage.output_audio_tokens)
+            for kind, uses in usage.tool_uses.items():
+                attributes[f"billed.{kind}"] = str(uses)
+        if info is not None and flow.priced_model and flow.priced_model != info.model:
+            attributes["pricing.model"] = flow.priced_model
+        served = resp.price_options if resp is not None else None
+        if served:
+            attributes["pricing.variant"] = ",".join(f"{k}={v}" for k, v in served)
         bodies.extend(context_record(flow, rec, attributes, is_error))
         model_span = Span(
             run_id=flow.run.run_id,
@@ -325,6 +342,22 @@ class TraceStep:
                         tool_name=call.name,
                         tool_call_id=call.id,
                         args_hash=args_hash(call.arguments),
+                    )
+                )
+            for call in resp.provider_tool_calls:
+                # Executed by the provider for the model (a remote MCP server, web search...):
+                # counted against X-Run-Max-Tool-Calls; the agent sends no result for it.
+                spans.append(
+                    child(
+                        kind="tool_call",
+                        step=step,
+                        started_at=ended,
+                        status_code=flow.status,
+                        outcome=flow.outcome,
+                        tool_name=call.name,
+                        tool_call_id=call.id,
+                        args_hash=args_hash(call.arguments),
+                        attributes={"tool.executed_by": "provider"},
                     )
                 )
         rec.step(spans, run_snapshot(state) if state is not None else None, bodies, on_done=on_done)
