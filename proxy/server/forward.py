@@ -125,30 +125,7 @@ class Forwarder:
             await self._read(flow, clients)
         except Rejection as rej:
             return self._reject(flow, rej)
-        task = asyncio.current_task()
-        assert task is not None and flow.run is not None
-        # In flight from here: an operator's cancel also cuts what the steps do before the
-        # call (a context policy's summary call is a model call of its own).
-        self.flights.add(flow.run.run_id, task, flow)
-        self.metrics.in_flight.inc()
-        try:
-            try:
-                for step in self.steps:
-                    await step.request(flow)
-            except Rejection as rej:
-                return self._reject(flow, rej)
-            except asyncio.CancelledError:
-                if flow.cut_reason != "cancel":
-                    raise  # shutting down
-                task.uncancel()
-                return self._reject(flow, RunCancelled(
-                    f"run {flow.run.run_id} was cancelled while runcap prepared this call; it was "
-                    "not sent. Start a new run to continue"
-                ))  # fmt: skip
-            return await self._exchange(flow)
-        finally:
-            self.metrics.in_flight.dec()
-            self.flights.remove(flow.run.run_id, task)
+        return await self._forward(flow)
 
     async def _finish(self, flow: Flow, reply: web.StreamResponse) -> web.StreamResponse:
         """After the done steps: the answer, now that it is on record — or, when a step could not
