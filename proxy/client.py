@@ -265,9 +265,8 @@ _BY_TYPE: dict[str, type[RuncapRejection]] = {
 
 # Names for a retry policy that matches exceptions by type name (Temporal's
 # `RetryPolicy(non_retryable_error_types=...)`, which sees an activity's exception class name).
-NON_RETRYABLE_ERROR_TYPES: tuple[str, ...] = tuple(
-    cls.__name__ for cls in (RuncapRejection, *_BY_TYPE.values())
-)
+_REJECTIONS: tuple[type[RuncapRejection], ...] = (RuncapRejection, *_BY_TYPE.values())
+NON_RETRYABLE_ERROR_TYPES: tuple[str, ...] = tuple(cls.__name__ for cls in _REJECTIONS)
 
 
 _CAP_HEADER = re.compile(r"X-Run-Max-(Usd|Tokens|Steps|Tool-Calls|Context-Tokens)", re.IGNORECASE)

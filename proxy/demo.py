@@ -30,7 +30,7 @@ from proxy.server.app import RUNTIME, build_app
 
 MODEL = "gpt-4o"  # priced by genai-prices: $2.50 / $10 per million input / output tokens
 
-TOOLS = [
+TOOLS: list[Any] = [  # the openai client's own TypedDicts would add nothing to a literal
     {
         "type": "function",
         "function": {
@@ -83,10 +83,11 @@ async def _agent(  # type: ignore[no-untyped-def]
     (or, with keep_writing, ask it to go on after each answer) or runcap refuses. Returns the
     number of spans runcap records for it (model calls, tool calls requested, results sent back)."""
     import openai
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="demo-key", max_retries=2)
     headers = {"X-Run-Id": run_id, "X-Run-Task": f"demo-{script}", "X-Mock-Script": script, **caps}
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is my order A-1001?"}]
+    messages: list[Any] = [{"role": "user", "content": "Where is my order A-1001?"}]
     say(f"\nrun {run_id}  script={script}  " + "  ".join(f"{k}={v}" for k, v in caps.items()))
     spans = pending_results = 0
     for _ in range(12):
@@ -113,11 +114,13 @@ async def _agent(  # type: ignore[no-untyped-def]
         if h.get("x-run-final-step") == "true":
             notes.append("answer-only final step: tools stripped")
         usage = resp.usage
+        assert usage is not None, "the scripted upstream always reports usage"
+        calls = [c for c in msg.tool_calls or [] if isinstance(c, ChatCompletionMessageFunctionToolCall)]
         clamped = h.get("x-run-clamped-output-tokens")
         clamp = f"clamped {max_tokens}→{clamped}" if clamped else "allowed"
         what = (
-            "calls " + ", ".join(f"{c.function.name}({c.function.arguments})" for c in msg.tool_calls)
-            if msg.tool_calls
+            "calls " + ", ".join(f"{c.function.name}({c.function.arguments})" for c in calls)
+            if calls
             else f"answers {len(msg.content or '')} chars"
         )
         say(
@@ -125,14 +128,14 @@ async def _agent(  # type: ignore[no-untyped-def]
             f"{usage.completion_tokens:>4}  {_fmt_headers(h)}" + (f"  [{'; '.join(notes)}]" if notes else "")
         )
         messages.append(msg.model_dump(exclude_none=True))
-        spans += len(msg.tool_calls or [])
-        pending_results = len(msg.tool_calls or [])
-        if not msg.tool_calls:
+        spans += len(calls)
+        pending_results = len(calls)
+        if not calls:
             if not keep_writing:
                 break
             messages.append({"role": "user", "content": "Go on."})
             continue
-        for call in msg.tool_calls:
+        for call in calls:
             result = {"order_id": json.loads(call.function.arguments).get("order_id"), "status": "shipped"}
             messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
     return spans

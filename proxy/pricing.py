@@ -363,6 +363,7 @@ class PriceBook:
             if undated != model:
                 override = self._overrides.get(undated)
         declared = self._fee_tables.get(model) or self._fee_tables.get(_DATE_SUFFIX.sub("", model))
+        resolved: _Resolved | None
         if override is not None:
             resolved = _from_override(override)
         else:

@@ -119,8 +119,8 @@ def parse_query(name: str, sql: str, path: Path) -> QueryFile:
             in_title = bool(text) and not text.startswith("@param")  # the paragraph ends at a blank
             if in_title:
                 question.append(text)
-        if (p := _PRIORITY_LINE.match(stripped)) is not None:
-            priority.extend(p["columns"].split())
+        if (pm := _PRIORITY_LINE.match(stripped)) is not None:
+            priority.extend(pm["columns"].split())
         if (c := _CHOICES_LINE.match(stripped)) is not None:
             choices[c["name"]] = tuple(c["values"].split())
         if "@param" in stripped:

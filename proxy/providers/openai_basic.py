@@ -92,6 +92,9 @@ class CompletionsAdapter:
         _, prompts = _prompts(body, "prompt")
         body["max_tokens"] = max(1, limit // _generations(body, prompts))
 
+    def set_hosted_limit(self, body: dict[str, Any], info: RequestInfo, uses: int) -> None:
+        pass  # this format has no hosted (provider-executed) tools: nothing to bound
+
     def strip_tools(self, body: dict[str, Any]) -> None:
         """Completions have no tools."""
 
@@ -124,6 +127,9 @@ class EmbeddingsAdapter:
 
     def set_output_limit(self, body: dict[str, Any], limit: int, *, legacy_field: bool = False) -> None:
         """Embeddings produce no output tokens."""
+
+    def set_hosted_limit(self, body: dict[str, Any], info: RequestInfo, uses: int) -> None:
+        pass  # this format has no hosted (provider-executed) tools: nothing to bound
 
     def strip_tools(self, body: dict[str, Any]) -> None:
         """Embeddings have no tools."""

@@ -342,6 +342,9 @@ class ChatCompletionsAdapter:
             if body.get("max_tokens") is not None:
                 body["max_tokens"] = per_choice
 
+    def set_hosted_limit(self, body: dict[str, Any], info: RequestInfo, uses: int) -> None:
+        pass  # this format has no hosted (provider-executed) tools: nothing to bound
+
     def strip_tools(self, body: dict[str, Any]) -> None:
         for name in _TOOL_FIELDS:
             body.pop(name, None)
