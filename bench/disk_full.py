@@ -42,7 +42,7 @@ import aiohttp
 from tests.conftest import RuncapProcess
 from tests.support.s3 import CREDENTIALS, S3Server
 from tests.support.tmpfs import small_tmpfs
-from tests.test_spans import ClickHouseProcess
+from tests.system.test_spans import ClickHouseProcess
 
 SCRIPT = "long"
 DROP_LINE = re.compile(r"WAL: \d+ records? of spans dropped .*?; runs: (.*?) \(\d+ payload bodies")

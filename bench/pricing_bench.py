@@ -1,4 +1,4 @@
-"""PriceBook.cost against genai-prices' own calc_price, per call (moved out of tests/test_pricing.py:
+"""PriceBook.cost against genai-prices' own calc_price, per call (moved out of tests/unit/test_pricing.py:
 a timing ratio is a measurement, not a test — issue 28).
 
     .venv/bin/python -m bench.pricing_bench [--calls 300] [--repeats 3]

@@ -24,7 +24,7 @@ Token accounting is the same in runcap and genai-prices: input tokens include ca
 writes (those are priced at their own rates, the rest at the input rate), output tokens include
 reasoning tokens. genai-prices' `calc_price` takes ~80 µs a call; on the hot path we instead
 flatten a resolved genai-prices price once into per-token rates (kept in an LRU per
-(provider, model)) and do the same arithmetic in ~3 µs. `tests/test_pricing.py` checks the
+(provider, model)) and do the same arithmetic in ~3 µs. `tests/unit/test_pricing.py` checks the
 result equals `genai_prices.calc_price` (rounded up) for every model in the bundled snapshot.
 
 Priced or refused (DESIGN.md "Enforcement rules"): a call is priced in every dimension its usage

@@ -56,18 +56,18 @@ class Target:
 TARGETS: dict[str, Target] = {
     "auth": Target(
         "proxy/server/auth.py",
-        ("tests/test_admin_auth.py", "tests/test_trust_boundary.py", "-k", "token or tenant or admin"),
+        ("tests/app/test_admin_auth.py", "tests/app/test_trust_boundary.py", "-k", "token or tenant or admin"),
         what="admin token and client tokens",
     ),
     "url": Target(
         "proxy/server/upstream_url.py",
         # (-k also matches module names: every test of test_upstream_url.py is in)
-        ("tests/test_upstream_url.py", "tests/test_trust_boundary.py", "-k", "url or path or segment"),
+        ("tests/unit/test_upstream_url.py", "tests/app/test_trust_boundary.py", "-k", "url or path or segment"),
         what="the upstream URL builder",
     ),
     "ledger-rules": Target(
         "proxy/ledger/base.py",
-        ("tests/test_ledger_contract.py", "-k", "sqlite"),
+        ("tests/unit/ledger/test_ledger_contract.py", "-k", "sqlite"),
         functions=(
             "x_apply_*",
             "x_new_run*",
@@ -88,30 +88,30 @@ TARGETS: dict[str, Target] = {
     "context": Target(
         "proxy/server/context.py",
         # (the span-recording test needs the embedded span store, which mutmut's forked runs lack)
-        ("tests/test_context_cap_oracle.py", "tests/test_context_signal.py", "-k", "not spans_metrics"),
+        ("tests/app/test_context_cap_oracle.py", "tests/app/test_context_signal.py", "-k", "not spans_metrics"),
         functions=("x_text_words*", "x__has_unread*", "x_measure*", "xǁContextStepǁrequest*"),
         what="the context step's measure and cap",
     ),
     "budget": Target(
         "proxy/server/budget.py",
-        ("tests/test_caps.py",),
+        ("tests/app/test_caps.py",),
         what="the budget step (reserve, clamp, settle, final step)",
     ),
     "idempotency": Target(
         "proxy/hashing.py",
-        ("tests/test_hashing.py",),
+        ("tests/unit/test_hashing.py",),
         what="canonical JSON and the idempotency key",
     ),
     "wal": Target(
         "proxy/spans/wal.py",
-        ("tests/test_wal.py", "-k", "not tmpfs and not full"),
+        ("tests/unit/spans/test_wal.py", "-k", "not tmpfs and not full"),
         what="the WAL's record framing",
     ),
     "sqlguard": Target(
         "proxy/spans/sqlguard.py",
         # (the query-file and dashboard comparisons fail in mutmut's copy of the tree; the rest
         # is the guard's own table)
-        ("tests/test_admin_sql_guard.py", "-k", "not clickhouse_server and not query_file and not dashboard"),
+        ("tests/system/test_admin_sql_guard.py", "-k", "not clickhouse_server and not query_file and not dashboard"),
         what="what /admin/sql lets through",
     ),
 }

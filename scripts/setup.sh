@@ -22,7 +22,7 @@ if [[ ",$extras," == *,test,* ]] && ! command -v redis-server >/dev/null 2>&1; t
     fi
 fi
 
-# The alert rules' tests (tests/test_alert_rules.py, tests/test_prometheus_scrape.py) run
+# The alert rules' tests (tests/system/test_alert_rules.py, tests/system/test_prometheus_scrape.py) run
 # promtool and a real Prometheus server: Debian's prometheus package (its service is not started).
 if [[ ",$extras," == *,test,* ]] && ! { command -v promtool && command -v prometheus; } >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
@@ -33,8 +33,8 @@ if [[ ",$extras," == *,test,* ]] && ! { command -v promtool && command -v promet
 fi
 
 # Two node folders with npm packages pinned by their package-lock.json: tests/node, the Vercel
-# AI SDK (tests/test_frameworks.py), and tests/grafana-schema, Grafana's dashboard types and tsc
-# (tests/test_dashboard_schema.py). Without node those tests are skipped with a loud reason
+# AI SDK (tests/system/test_frameworks.py), and tests/grafana-schema, Grafana's dashboard types and tsc
+# (tests/system/test_dashboard_schema.py). Without node those tests are skipped with a loud reason
 # (and fail under CI=true).
 if [[ ",$extras," == *,test,* ]]; then
     if ! command -v npm >/dev/null 2>&1; then

@@ -210,3 +210,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for rep in skipped:
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         terminalreporter.line(f"SKIPPED {rep.nodeid}: {reason}")
+
+
+# Fixtures that live with their helpers in tests/support, offered to every test from here (a
+# test module never imports a fixture from another test module).
+from tests.support.ledgers import make_ledger  # noqa: E402, F401
+from tests.support.mcp_agent import servers  # noqa: E402, F401

@@ -18,7 +18,7 @@ The deadlines are `loop.call_at` handles — no task per connection, and on the 
 counter comparison. A normal request pays nothing else.
 
 This sits on aiohttp's server internals (the handler's parsed-message count and queue, the
-server's handler arguments); tests/test_connection_limits.py pins the behaviour.
+server's handler arguments); tests/app/test_connection_limits.py pins the behaviour.
 """
 
 from __future__ import annotations

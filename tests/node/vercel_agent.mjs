@@ -1,5 +1,5 @@
 // One agent run with the Vercel AI SDK (`generateText` + a tool), pointed at runcap.
-// Called by tests/test_frameworks.py: `node vercel_agent.mjs '{"baseURL", "headers", "api"}'`;
+// Called by tests/system/test_frameworks.py: `node vercel_agent.mjs '{"baseURL", "headers", "api"}'`;
 // prints one JSON line: the run's outcome, or the error the SDK raised.
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateText, stepCountIs, tool } from "ai";
