@@ -325,7 +325,8 @@ async def test_tool_without_configured_credential_gets_none(runcap_factory, stub
         ("X-Run-Timeout", "604801"),
         ("X-Run-Deadline", "99999999999"),
         ("X-Run-Deadline", "9999-12-31T23:59:59Z"),
-        ("X-Run-Deadline", str(int(time.time()) + 8 * 86400)),
+        # a stable id: pytest-xdist workers must collect the same names
+        pytest.param("X-Run-Deadline", str(int(time.time()) + 8 * 86400), id="X-Run-Deadline-in-8-days"),
     ],
 )
 async def test_far_deadlines_are_a_400_not_a_500(rc, stub, header: str, value: str) -> None:  # type: ignore[no-untyped-def]
