@@ -4,8 +4,8 @@ Two measurements, on the same conversation (chat completions: a user message, th
 each calling a tool that returned 20 KB; ~205 KB of JSON):
 
 * policy CPU — the work the policy adds to the request path, in this process, without I/O:
-  `apply_policies` on a flow (offload: hash and cut the old results, add the fetch tool, re-read
-  the body), plus serialising the rewritten body, which the forwarder does instead of sending the
+  `apply_policies` on a request body (offload: hash and cut the old results, add the fetch tool,
+  re-read the body), plus serialising the rewritten body, which the forwarder does instead of sending the
   agent's bytes as they came. p50 / p99 over `--iterations` calls.
 * end to end — runcap in-process (SQLite ledger, caps on, tracing off) in front of the scripted
   upstream, one client sending the same body sequentially, requests with and without the header
@@ -30,17 +30,14 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
-from yarl import URL
 
 from proxy.config import build_config
-from proxy.context import ContextSettings
+from proxy.context import ContextSettings, ModelAnswer
 from proxy.context.policy import apply_policies
+from proxy.context.summarize import SummaryCache
 from proxy.providers.openai_chat import ChatCompletionsAdapter
 from proxy.scripted_upstream import ScriptedUpstream
 from proxy.server.app import RUNTIME, build_app
-from proxy.server.flow import Flow
-from proxy.server.upstream_url import UpstreamTarget
 
 STEPS = 10
 RESULT_BYTES = 20_480
@@ -67,30 +64,39 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def policy_cpu(body: bytes, iterations: int) -> dict[str, float]:
-    """p50 / p99 ms of apply_policies + the re-serialisation, on a fresh flow each time."""
-    from proxy.config import UpstreamConfig
-    from proxy.server.inner import InnerCalls
+    """p50 / p99 ms of apply_policies + the re-serialisation, on a fresh body each time."""
+
+    async def no_call(_: dict[str, Any]) -> ModelAnswer:
+        raise AssertionError("offload makes no model call")
 
     adapter = ChatCompletionsAdapter()
     settings = ContextSettings()
-    inner = InnerCalls()
-    request = make_mocked_request("POST", "/v1/chat/completions")
-    upstream = UpstreamConfig(name="openai", url="http://127.0.0.1:9/v1", flavor="openai")
-    target = UpstreamTarget(URL("http://127.0.0.1:9/v1/chat/completions"), "/v1/chat/completions", "")
+    summaries = SummaryCache()
     times = []
+    forwarded: dict[str, Any] = {}
     for _ in range(iterations):
         parsed = orjson.loads(body)
-        flow = Flow(request, upstream, target, adapter, body=body, body_json=parsed)
-        flow.info = adapter.parse_request(parsed)
+        info = adapter.parse_request(parsed)
         t0 = time.perf_counter()
-        await apply_policies(flow, ("offload",), settings, inner)
-        orjson.dumps(flow.body_json)
+        done = await apply_policies(
+            adapter,
+            parsed,
+            info,
+            body,
+            ("offload",),
+            settings,
+            run_id="bench",
+            summaries=summaries,
+            call=no_call,
+        )
+        assert done is not None
+        orjson.dumps(done.body)
         times.append((time.perf_counter() - t0) * 1000)
-        assert flow.rewrite is not None
+        forwarded = done.body
     return {
         "p50_ms": statistics.median(times),
         "p99_ms": percentile(times, 0.99),
-        "rewritten_bytes": len(orjson.dumps(flow.body_json)),
+        "rewritten_bytes": len(orjson.dumps(forwarded)),
     }
 
 

@@ -20,6 +20,8 @@ class Rejection(Exception):
     type = "invalid_request"
     # The run status a rejection of this kind puts the run in (None: leaves it as it is).
     run_status: str | None = None
+    # What the refused or cut call is on record as (its span's and access log's outcome).
+    outcome = "error"
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class BudgetExceeded(Rejection):
 
     status = 402
     type = "run_budget_exceeded"
+    outcome = "budget_exceeded"
 
     _RUN_STATUS = {
         "max_usd": "budget_exceeded",
@@ -81,6 +84,7 @@ class DeadlineExceeded(Rejection):
     status = 504
     type = "run_deadline_exceeded"
     run_status = "deadline_exceeded"
+    outcome = "deadline_exceeded"
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="deadline")
@@ -90,6 +94,7 @@ class RunCancelled(Rejection):
     status = 410
     type = "run_cancelled"
     run_status = "cancelled"
+    outcome = "cancelled"
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="cancelled")
@@ -100,6 +105,7 @@ class ToolTimeout(Rejection):
 
     status = 504
     type = "tool_timeout"
+    outcome = "timeout"
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="tool_timeout")

@@ -15,11 +15,16 @@ input that is tool output) and enforces `X-Run-Max-Context-Tokens`. With a polic
 
 Every rewrite is a `Rewrite` on the flow: the span records the original and forwarded bodies'
 hashes, what was removed and the policy.
+
+The policies make model calls of their own (a summary, a `runcap_fetch` continuation): they
+get a `ModelCaller` and know nothing of the server that makes the call — the context step
+(proxy/server/context.py) hands them runcap's inner calls (proxy/server/inner.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 POLICIES = ("offload", "summarize")
 FETCH_TOOL = "runcap_fetch"
@@ -84,3 +89,23 @@ class ContextReading:
     growth: float = 1.0
     cap: int | None = None  # X-Run-Max-Context-Tokens that applied, if any
     policies: tuple[str, ...] = ()  # the policies the request asked for (header or task)
+
+
+@dataclass(slots=True)
+class ModelAnswer:
+    """What one of runcap's own model calls returned."""
+
+    status: int  # the status of the call as recorded (the upstream's, or runcap's for a failure)
+    upstream_status: int  # 0: the upstream never answered (unreachable, reset)
+    body: bytes  # the upstream's answer as read (b"": none)
+    parsed: dict[str, Any] | None  # the answer as a JSON object; None: an error or no JSON object
+    error: str = ""  # why, when the call failed
+    reply_headers: dict[str, str] = field(default_factory=dict)  # the run headers after the call
+
+
+class ModelCaller(Protocol):
+    """Make one unstreamed model call of `body` as a step of the current request's run, on its
+    upstream and endpoint: reserved, capped, settled and traced like the agent's own calls. A
+    refusal (a cap, the deadline, a cancel) raises its `Rejection`."""
+
+    async def __call__(self, body: dict[str, Any]) -> ModelAnswer: ...

@@ -1,7 +1,8 @@
 """`runcap_fetch`: runcap answers the model's reads of offloaded results itself.
 
-When a policy added the fetch tool to a request (`Rewrite.fetch_tool`), the forwarding core
-hands the upstream's answer to `answer_fetches` before the agent sees anything:
+When a policy added the fetch tool to a request (`Rewrite.fetch_tool`), the context step
+(proxy/server/context.py, its `answer` hook) hands the upstream's answer to `answer_fetches`
+before the agent sees anything:
 
 * only `runcap_fetch` calls: runcap reads each handle from the results this request had taken
   out of band (`Rewrite.handles`) — never from the payload store: a handle is a capability of the
@@ -25,22 +26,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from proxy.context import FETCH_TOOL, HANDLE_PREFIX
+from proxy.context import FETCH_TOOL, HANDLE_PREFIX, ModelCaller, Rewrite
 from proxy.context.conversation import items_key
 from proxy.context.offload import FETCH_DEFAULT_LENGTH, FETCH_MAX_LENGTH
 from proxy.errors import UpstreamUnavailable
-from proxy.providers.base import ToolCall
-
-if TYPE_CHECKING:
-    from proxy.server.flow import Flow
-    from proxy.server.inner import InnerCalls
+from proxy.providers.base import Adapter, ToolCall
 
 log = logging.getLogger("runcap.context")
-
 
 
 def read_handle(arguments: str, handles: dict[str, bytes]) -> str:
@@ -205,13 +201,19 @@ class FetchAnswer:
     rounds: int = 0
 
 
-async def answer_fetches(flow: Flow, first: dict[str, Any], inner: InnerCalls) -> FetchAnswer:
-    """Run the fetch loop for `flow`'s upstream answer `first`. Raises a `Rejection` when an inner
+async def answer_fetches(
+    adapter: Adapter,
+    rewrite: Rewrite,
+    body: dict[str, Any],
+    first: dict[str, Any],
+    call: ModelCaller,
+    upstream: str,
+) -> FetchAnswer:
+    """Run the fetch loop for the upstream's answer `first` to the request `body` (as forwarded,
+    to `adapter`'s endpoint of the upstream named `upstream`). Raises a `Rejection` when an inner
     call is refused (a cap, the deadline) or the upstream cannot be reached."""
-    rewrite, adapter = flow.rewrite, flow.adapter
-    assert rewrite is not None and adapter is not None and flow.body_json is not None
     endpoint = adapter.name
-    response, body = first, flow.body_json
+    response = first
     changed = False
     rounds = 0
     reply_headers: dict[str, str] = {}
@@ -228,18 +230,16 @@ async def answer_fetches(flow: Flow, first: dict[str, Any], inner: InnerCalls) -
             response = strip_fetch_calls(endpoint, response)
             changed = True
             break
-        results = [
-            (c.id, read_handle(c.arguments, rewrite.handles)) for c in fetches
-        ]
+        results = [(c.id, read_handle(c.arguments, rewrite.handles)) for c in fetches]
         body = continuation(endpoint, body, response, results)
-        child, parsed = await inner.call(flow, body)
+        answer = await call(body)
         rounds += 1
-        reply_headers = dict(child.reply_headers)
-        if parsed is None:
-            if child.upstream_status == 0:
-                raise UpstreamUnavailable(child.error or f"upstream '{flow.upstream.name}' failed")
+        reply_headers = dict(answer.reply_headers)
+        if answer.parsed is None:
+            if answer.upstream_status == 0:
+                raise UpstreamUnavailable(answer.error or f"upstream '{upstream}' failed")
             # The upstream's own error, passed through as for any call.
-            return FetchAnswer(child.status, child.response_body or b"", None, reply_headers, rounds)
-        response = parsed
+            return FetchAnswer(answer.status, answer.body, None, reply_headers, rounds)
+        response = answer.parsed
         changed = True
     return FetchAnswer(200, orjson.dumps(response) if changed else None, response, reply_headers, rounds)

@@ -2,9 +2,9 @@
 
 `apply_policies` runs before the budget step (so the run is charged for what is forwarded, not
 for what the agent sent): `offload` first (deterministic and free), then `summarize` when the
-request is still past its threshold. It leaves the flow untouched — the agent's bytes forwarded
-as they came — unless a policy changed something; then `flow.body_json` is the new body,
-`flow.info` its reading and `flow.rewrite` says what was done.
+request is still past its threshold. It returns None — the agent's bytes forwarded as they came —
+unless a policy changed something; then a `Rewritten`: the new body, its reading and the
+`Rewrite` that says what was done (the context step puts them on the flow).
 
 Skipped: requests whose context the provider holds (`previous_response_id`, an Anthropic thread,
 a conversation: the old results are not in the body), and — for offload — requests that declare
@@ -13,29 +13,46 @@ a `runcap_fetch` tool of their own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
-from proxy.context import ContextSettings, Rewrite
+from proxy.context import ContextSettings, ModelCaller, Rewrite
 from proxy.context.conversation import ENDPOINTS, declares_fetch_tool
 from proxy.context.offload import offload
-from proxy.context.summarize import summarize
+from proxy.context.summarize import SummaryCache, summarize
 from proxy.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from proxy.server.flow import Flow
-    from proxy.server.inner import InnerCalls
+from proxy.providers.base import Adapter, RequestInfo
 
 POLICY_HEADER = "X-Run-Context-Policy"
 
 
+@dataclass(slots=True)
+class Rewritten:
+    """The request as the policies left it: the body to forward, its reading, what was done."""
+
+    body: dict[str, Any]
+    info: RequestInfo
+    rewrite: Rewrite
+
+
 async def apply_policies(
-    flow: Flow, policies: tuple[str, ...], settings: ContextSettings, inner: InnerCalls
-) -> None:
-    adapter, body, info = flow.adapter, flow.body_json, flow.info
-    if adapter is None or body is None or info is None or adapter.name not in ENDPOINTS or flow.inner:
-        return
+    adapter: Adapter,
+    body: dict[str, Any],
+    info: RequestInfo,
+    sent: bytes,
+    policies: tuple[str, ...],
+    settings: ContextSettings,
+    *,
+    run_id: str,
+    summaries: SummaryCache,
+    call: ModelCaller,
+) -> Rewritten | None:
+    """The agent's request `body` (read as `info`, sent as the bytes `sent`) of run `run_id`,
+    rewritten by `policies`; None when nothing changed."""
+    if adapter.name not in ENDPOINTS:
+        return None
     if "summarize" in policies and not settings.summary_model:
         raise InvalidRequest(
             f"{POLICY_HEADER}: summarize needs a model to write summaries, and none is configured: "
@@ -43,7 +60,7 @@ async def apply_policies(
             param=POLICY_HEADER,
         )
     if info.stored_context:
-        return
+        return None
     applied: list[str] = []
     handles: dict[str, bytes] = {}
     fetch_tool = False
@@ -60,21 +77,20 @@ async def apply_policies(
                 body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
             forwarded = adapter.parse_request(body)
     if "summarize" in policies:
-        summary = await summarize(flow, body, forwarded.input_token_bound, settings, inner)
+        summary = await summarize(
+            adapter, run_id, body, forwarded.input_token_bound, settings, summaries, call
+        )
         if summary is not None:
             body, replaced = summary.body, summary.replaced
             applied.append("summarize")
             forwarded = adapter.parse_request(body)
     if not applied:
-        return
+        return None
     agent_stream = info.stream
-    flow.body_json = body
-    flow.body_changed = True
-    flow.info = forwarded
-    flow.rewrite = Rewrite(
+    rewrite = Rewrite(
         policy=",".join(applied),
-        original_body=flow.body,
-        removed_bytes=max(0, len(flow.body) - len(orjson.dumps(body))),
+        original_body=sent,
+        removed_bytes=max(0, len(sent) - len(orjson.dumps(body))),
         removed_tokens=info.input_token_bound - forwarded.input_token_bound,
         handles=handles,
         fetch_tool=fetch_tool,
@@ -83,3 +99,4 @@ async def apply_policies(
         max_fetch_calls=settings.max_fetch_calls,
         summarized_items=replaced,
     )
+    return Rewritten(body, forwarded, rewrite)

@@ -6,8 +6,9 @@ always kept and not counted) are replaced by one user message holding a summary 
 `summary_model`. The span is widened to the nearest cuts that separate no tool call from its
 result (and, Responses, no reasoning item from the call after it), so pairs are never split.
 
-The summary call is an inner call (proxy/server/inner.py): a step of the run, reserved against
-its caps — a cap too small for it refuses the agent's request with the usual 402 — and traced.
+The summary call is one of runcap's own model calls (a `ModelCaller`; proxy/server/inner.py makes
+it): a step of the run, reserved against its caps — a cap too small for it refuses the agent's
+request with the usual 402 — and traced.
 
 Made once per span: summaries are cached per run by the hash of the items they replace (each
 item's canonical JSON hashed, the span hashed over those). An agent resends its whole history,
@@ -15,9 +16,10 @@ so the next step finds the span it summarised before as a prefix of its middle a
 summary; only when the context passes the threshold again is a new summary made — of the previous
 summary plus the items after it, cached under the hash of the whole span it then replaces.
 
-Where the cache lives: in this process (`SummaryCache`, a bounded LRU). A run whose requests go
-to another replica, or that outlives a restart, has its next summary made again there — one more
-summary call, charged and traced like the first, so it shows in the run's spans and costs.
+Where the cache lives: in this process (`SummaryCache`, a bounded LRU the context step owns). A
+run whose requests go to another replica, or that outlives a restart, has its next summary made
+again there — one more summary call, charged and traced like the first, so it shows in the run's
+spans and costs.
 """
 
 from __future__ import annotations
@@ -27,16 +29,13 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from proxy.context import ContextSettings
+from proxy.context import ContextSettings, ModelCaller
 from proxy.context.conversation import items_key, items_of, pairing, preamble_length
-
-if TYPE_CHECKING:
-    from proxy.server.flow import Flow
-    from proxy.server.inner import InnerCalls
+from proxy.providers.base import Adapter
 
 log = logging.getLogger("runcap.context")
 
@@ -187,13 +186,17 @@ def _replace(body: dict[str, Any], endpoint: str, start: int, end: int, text: st
 
 
 async def summarize(
-    flow: Flow, body: dict[str, Any], bound: int, settings: ContextSettings, inner: InnerCalls
+    adapter: Adapter,
+    run_id: str,
+    body: dict[str, Any],
+    bound: int,
+    settings: ContextSettings,
+    cache: SummaryCache,
+    call: ModelCaller,
 ) -> Summarized | None:
-    """Summarise the middle of `body` (whose input-token bound is `bound`) when it passes the
-    threshold; None when it does not, or there is no middle to replace. Raises the inner call's
-    `Rejection` when the run cannot afford the summary."""
-    adapter = flow.adapter
-    assert adapter is not None and flow.run is not None
+    """Summarise the middle of `body` (a request of run `run_id` to `adapter`'s endpoint, whose
+    input-token bound is `bound`) when it passes the threshold; None when it does not, or there is
+    no middle to replace. Raises the summary call's `Rejection` when the run cannot afford it."""
     if bound <= settings.summarize_above_tokens:
         return None
     endpoint = adapter.name
@@ -204,8 +207,6 @@ async def summarize(
     if plan is None:
         return None
     start, end = plan
-    run_id = flow.run.run_id
-    cache = inner.summaries
     digests = [item_digest(item) for item in items[start:end]]
     whole = span_hash(digests)
     cached = cache.get(run_id, whole)
@@ -231,8 +232,8 @@ async def summarize(
         transcript = _transcript(items[start:end], None)
     cache.begin(run_id, whole)
     try:
-        child, answer = await inner.call(flow, summary_request(endpoint, settings, transcript))
-        text = summary_text(endpoint, answer) if answer is not None else ""
+        answer = await call(summary_request(endpoint, settings, transcript))
+        text = summary_text(endpoint, answer.parsed) if answer.parsed is not None else ""
         if text:
             cache.put(run_id, whole, text)
     finally:
@@ -241,7 +242,7 @@ async def summarize(
         # The summary call failed upstream (its span says why): the request goes on unsummarised.
         log.warning(
             "run %s: the summary call to %s failed (%s); forwarding without a summary",
-            run_id, settings.summary_model, child.error or "no text",
+            run_id, settings.summary_model, answer.error or "no text",
         )  # fmt: skip
         if earlier is not None:
             stop, text = earlier

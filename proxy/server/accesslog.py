@@ -14,18 +14,12 @@ import orjson
 
 from proxy.caps import claimed_run_id
 from proxy.money import format_usd
-from proxy.server.flow import Flow
+from proxy.server.flow import Flow, FlowStep
 
 log = logging.getLogger("runcap.access")
 
 
-class AccessLogStep:
-    async def request(self, flow: Flow) -> None:
-        pass
-
-    async def response(self, flow: Flow) -> None:
-        pass
-
+class AccessLogStep(FlowStep):
     async def done(self, flow: Flow) -> None:
         if not log.isEnabledFor(logging.INFO):
             return

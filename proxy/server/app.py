@@ -36,7 +36,7 @@ from proxy.server.connections import ConnectionGuard, ConnectionLimits
 from proxy.server.connections import run_app as run_guarded
 from proxy.server.context import ContextStep
 from proxy.server.data_dir import make_private
-from proxy.server.flow import Flights, Flow, FlowStep
+from proxy.server.flow import Flights, Flow, Pipeline
 from proxy.server.forward import Forwarder
 from proxy.server.inner import InnerCalls
 from proxy.server.local_trust import LocalTrust
@@ -211,16 +211,16 @@ def build_app(
         await rt.client.start()
         budget = BudgetStep(config, ledger, rt.prices, metrics)
         # The context step first: a policy's rewrite and the context cap come before any reservation.
-        inner = InnerCalls()  # runcap's own calls within a run: fetch continuations, summaries
-        context = ContextStep(config.context, config.caps, budget.history, metrics, inner=inner)
+        inner = InnerCalls(rt.client)  # runcap's own calls within a run: fetch continuations, summaries
+        context = ContextStep(config.context, config.caps, budget.history, metrics, inner)
         # Tenants sharing a provider key see only their own provider objects; first, so a refused
         # read reserves and counts nothing.
-        steps: list[FlowStep] = [TenantObjects(ledger), context, budget, MetricsStep(metrics)]
+        steps = Pipeline([TenantObjects(ledger), context, budget, MetricsStep(metrics)])
         if config.tracing:
             steps.append(TraceStep(spans.recorder))
         if config.log_requests:
             steps.append(AccessLogStep())
-        rt.forwarder = Forwarder(config, rt.client, steps, rt.flights, metrics, inner=inner)
+        rt.forwarder = Forwarder(config, rt.client, steps, rt.flights, metrics)
         await ledger.recover()
         metrics.watch_ledger(ledger)
         ledger.start()  # writes the ledger could not take (settlements...) are retried from now on

@@ -34,7 +34,7 @@ from proxy.providers.base import Usage
 from proxy.providers.registry import free_endpoint
 from proxy.server.billing import quote as billing_quote
 from proxy.server.billing import settle_price
-from proxy.server.flow import Flow
+from proxy.server.flow import Flow, FlowStep
 from proxy.server.history import ConversationMemory
 from proxy.server.metrics import Metrics
 
@@ -65,7 +65,7 @@ def pricing_provider(flow: Flow) -> str:
     return flow.upstream.name
 
 
-class BudgetStep:
+class BudgetStep(FlowStep):
     def __init__(self, config: Config, ledger: GuardedLedger, prices: PriceBook, metrics: Metrics) -> None:
         self.config = config
         self.caps = config.caps
@@ -239,7 +239,8 @@ class BudgetStep:
             self._retry_unsettled(res, settlement, now, e)
             return
         resp = flow.response_info
-        if flow.outcome == "ok" and flow.info and resp and resp.usage and not flow.run.generated:
+        run = flow.run
+        if flow.outcome == "ok" and flow.info and resp and resp.usage and run and not run.generated:
             self.history.remember(res.run_id, flow.info, resp.usage, resp)
 
     def _retry_unsettled(

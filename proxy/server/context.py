@@ -12,7 +12,14 @@ For every call to chat/completions, responses or messages — the agent's, and r
 3. a step whose LOWER bound is above `X-Run-Max-Context-Tokens` is refused (402
    `max_context_tokens`), so no step that fits is ever refused;
 4. the answer carries `X-Run-Context-Tokens` and `X-Run-Context-Growth`, and the reading goes on
-   the span (proxy/server/trace.py) and to /metrics.
+   the span (proxy/server/trace.py) and to /metrics;
+5. when `offload` added `runcap_fetch` to the agent's call, its `answer` hook runs the fetch loop
+   (proxy/context/fetch.py): runcap answers the model's fetches itself, continuing with the
+   upstream through runcap's own calls (server/inner.py), and the agent gets only the final
+   answer — as the stream it asked for, when it asked for one (proxy/context/stream.py).
+
+The policies' own model calls (summaries, continuations) are made through `InnerCalls`, handed
+to proxy/context/ as a `ModelCaller`; the summaries they write are kept here (`summaries`).
 
 The lower bound (what the refusal relies on). No tokenizer is needed and none is guessed:
 
@@ -41,9 +48,14 @@ import orjson
 
 from proxy.config import CapsConfig
 from proxy.context import POLICIES, ContextReading, ContextSettings
+from proxy.context.fetch import answer_fetches
+from proxy.context.policy import apply_policies
+from proxy.context.stream import sse_answer
+from proxy.context.summarize import SummaryCache
 from proxy.errors import BudgetExceeded, InvalidRequest
-from proxy.server.flow import Flow
+from proxy.server.flow import Flow, FlowStep
 from proxy.server.history import ConversationMemory
+from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("runcap.context")
@@ -144,20 +156,21 @@ def measure(flow: Flow, memory: ConversationMemory) -> ContextReading:
     return ContextReading(lower=lower, upper=upper, estimate=estimate, tool_output_share=share)
 
 
-class ContextStep:
+class ContextStep(FlowStep):
     def __init__(
         self,
         settings: ContextSettings,
         caps: CapsConfig,
         memory: ConversationMemory,
         metrics: Metrics,
-        inner: Any = None,  # proxy.server.inner.InnerCalls: the calls a policy makes itself
+        inner: InnerCalls,
     ) -> None:
         self.settings = settings
         self.tasks = caps.tasks
         self.memory = memory  # the budget step's: the run's previous call and its exact usage
         self.metrics = metrics
-        self.inner = inner
+        self.inner = inner  # the model calls a policy makes itself (summaries, continuations)
+        self.summaries = SummaryCache()  # what the summarize policy wrote, per run and span
         # Per run, this process's record of its first step's input tokens — for runs the ledger
         # does not hold (a one-step run) — and whether its growth alert was counted.
         self._first: OrderedDict[str, int] = OrderedDict()
@@ -175,9 +188,20 @@ class ContextStep:
         # Only the policy is the agent's call's alone (it wrote these calls already).
         policies = () if flow.inner else self.policies(flow.request.headers, flow.run.task)
         if policies:
-            from proxy.context.policy import apply_policies  # the rewrite half (proxy/context/)
-
-            await apply_policies(flow, policies, self.settings, self.inner)
+            rewritten = await apply_policies(
+                flow.adapter,
+                flow.body_json,
+                flow.info,
+                flow.body,
+                policies,
+                self.settings,
+                run_id=flow.run.run_id,
+                summaries=self.summaries,
+                call=self.inner.caller(flow),
+            )
+            if rewritten is not None:
+                flow.body_json, flow.info, flow.rewrite = rewritten.body, rewritten.info, rewritten.rewrite
+                flow.body_changed = True
         try:
             reading = measure(flow, self.memory)
         except RecursionError:
@@ -236,6 +260,30 @@ class ContextStep:
         if not exact:
             # Not in DESIGN's list: the headers of a stream go out before its usage is known.
             flow.reply_headers["X-Run-Context-Tokens-Estimated"] = "true"
+
+    async def answer(self, flow: Flow) -> None:
+        """The `runcap_fetch` loop, when offload added the tool to the agent's call: the agent gets
+        the final answer (`flow.answer`); a refused continuation raises its `Rejection`."""
+        rewrite, adapter = flow.rewrite, flow.adapter
+        if rewrite is None or not rewrite.fetch_tool or adapter is None or flow.body_json is None:
+            return
+        try:
+            first = orjson.loads(flow.response_body or b"")
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(first, dict):
+            return
+        answer = await answer_fetches(
+            adapter, rewrite, flow.body_json, first, self.inner.caller(flow), flow.upstream.name
+        )
+        flow.reply_headers.update(answer.reply_headers)
+        flow.status = answer.status
+        out = (flow.response_body or b"") if answer.body is None else answer.body
+        if answer.response is not None and rewrite.agent_stream:
+            out = sse_answer(adapter.name, answer.response, include_usage=rewrite.agent_stream_usage)
+            flow.reply_headers["Content-Type"] = "text/event-stream; charset=utf-8"
+            flow.reply_headers["Cache-Control"] = "no-cache"
+        flow.answer = out
 
     async def done(self, flow: Flow) -> None:
         r = flow.context

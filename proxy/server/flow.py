@@ -1,13 +1,16 @@
 """One request's journey through runcap, and the hooks that act on it.
 
-The forwarding core (`forward.py`) only moves bytes and calls the steps' hooks in order, like
-mitmproxy's addons: budget enforcement, metrics, logging and tracing are separate `FlowStep`s,
-each readable and testable on its own.
+The forwarding core (`forward.py`) only moves bytes and has the `Pipeline` call the steps' hooks in
+order, like mitmproxy's addons: budget enforcement, metrics, logging and tracing are separate
+`FlowStep`s, each readable and testable on its own; runcap's own model calls within a run
+(`inner.py`) go through the same pipeline.
 
 Hook order for one request:
   request(flow)   before forwarding; may raise a Rejection or rewrite `flow.body_json`
   response(flow)  upstream answered, nothing sent to the agent yet; for a buffered (non-stream)
                   response `flow.response_body` is set; steps may add `flow.reply_headers`
+  answer(flow)    the agent's buffered, successful answer: a step may answer in its place (the
+                  context step's `runcap_fetch` loop continues the conversation with the upstream)
   done(flow)      the exchange is over (all bytes relayed, or it failed); always called once, and
                   before the agent has the end of the response (a buffered body, a stream's
                   closing event and end-of-body: forward.py), so what a step records precedes a
@@ -18,7 +21,9 @@ Hook order for one request:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +37,8 @@ from proxy.ledger.base import Reservation, RunState
 from proxy.pricing import Cost
 from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
 from proxy.server.upstream_url import UpstreamTarget
+
+log = logging.getLogger("runcap.forward")
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +116,11 @@ class Flow:
     # A relayed stream's closing part (its closing event and anything after it), written only
     # after the done steps (forward.py): the agent has a complete answer only once it is on record.
     held_tail: bytes = b""
+    # What the agent gets instead of `response_body`, when a step answered in the upstream's place
+    # (FlowStep.answer: the final answer of the `runcap_fetch` loop); None: the upstream's answer.
+    answer: bytes | None = None
+    # The steps this flow goes through; runcap's own calls within it go through the same (inner.py).
+    pipeline: Pipeline | None = None
     # Set by a done step that could not put the call on record (the span WAL had no room): the
     # agent gets this refusal instead of the answer, or instead of the stream's closing part.
     unrecorded: Rejection | None = None
@@ -142,12 +154,94 @@ class Flow:
             self.upstream_ms = (time.perf_counter() - self.upstream_started) * 1000.0
 
 
-class FlowStep(Protocol):
-    async def request(self, flow: Flow) -> None: ...
+class FlowStep:
+    """One concern acting on every flow (budget, context, tracing...). Each hook is a no-op here:
+    a step overrides the ones it needs, and the `Pipeline` calls only those."""
 
-    async def response(self, flow: Flow) -> None: ...
+    async def request(self, flow: Flow) -> None:
+        """Before forwarding: may raise a `Rejection` or rewrite `flow.body_json`."""
 
-    async def done(self, flow: Flow) -> None: ...
+    async def response(self, flow: Flow) -> None:
+        """The upstream answered; nothing has been sent to the agent yet."""
+
+    async def answer(self, flow: Flow) -> None:
+        """The agent's own call answered in full and successfully (buffered, status < 400), after
+        the response hooks: a step may answer in the upstream's place — `flow.answer` and
+        `flow.status` — or raise the `Rejection` the agent gets instead (the `runcap_fetch` loop:
+        server/context.py). Not called for runcap's own calls."""
+
+    async def done(self, flow: Flow) -> None:
+        """The exchange is over (or failed); called once for every flow."""
+
+
+_HOOKS = ("request", "response", "answer", "done")
+
+
+class Pipeline:
+    """The steps every model call goes through, in order — the agent's calls (forward.py) and
+    runcap's own within a run (inner.py) alike — and the one error policy for their hooks:
+
+    * `request`, `response`, `answer`: a step's exception (a `Rejection`, a cancel) propagates at
+      once; the later steps' hooks do not run;
+    * `done`: every step's hook runs; an error is logged, and a cancellation is re-raised once
+      the rest have run (the call is settled and its span recorded whatever happens).
+
+    Only the hooks a step overrides are called (the lists are computed when a step is added)."""
+
+    def __init__(self, steps: Sequence[object] = ()) -> None:
+        self._steps: list[object] = []
+        self._hooks: dict[str, list[Callable[[Flow], Awaitable[None]]]] = {name: [] for name in _HOOKS}
+        for step in steps:
+            self.append(step)
+
+    def append(self, step: object) -> None:
+        """Add a step at the end: a `FlowStep`, or any object with some of its hook methods."""
+        self._steps.append(step)
+        for name in _HOOKS:
+            own = getattr(type(step), name, None)
+            if own is not None and own is not getattr(FlowStep, name):
+                self._hooks[name].append(getattr(step, name))
+
+    def __iter__(self) -> Iterator[object]:
+        return iter(self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def hooks(self, name: str) -> list[Callable[[Flow], Awaitable[None]]]:
+        """The bound `name` hooks that are called, in order (for tests and introspection)."""
+        return list(self._hooks[name])
+
+    async def request(self, flow: Flow) -> None:
+        for hook in self._hooks["request"]:
+            await hook(flow)
+
+    async def response(self, flow: Flow) -> None:
+        for hook in self._hooks["response"]:
+            await hook(flow)
+
+    async def answer(self, flow: Flow) -> None:
+        for hook in self._hooks["answer"]:
+            await hook(flow)
+
+    async def done(self, flow: Flow) -> None:
+        cancelled: asyncio.CancelledError | None = None
+        for hook in self._hooks["done"]:
+            try:
+                await hook(flow)
+            except asyncio.CancelledError as e:
+                cancelled = e  # the other steps still run: the call is settled, its span recorded
+            except Exception:
+                own = " (runcap's own call)" if flow.inner else ""
+                log.exception(
+                    "step %s failed after %s %s%s",
+                    type(getattr(hook, "__self__", hook)).__name__,
+                    flow.request.method,
+                    flow.request.path,
+                    own,
+                )
+        if cancelled is not None:
+            raise cancelled
 
 
 class Cuttable(Protocol):

@@ -1,8 +1,10 @@
-"""The forwarding core: agent request in → upstream → response out, calling the flow steps.
+"""The forwarding core: agent request in → upstream → response out, through the steps' pipeline.
 
-It knows HTTP, not budgets: headers (hop-by-hop, credentials, `X-Run-*`), the upstream's
-deadline, streaming relay chunk by chunk, and turning a cut (deadline, cancel, client gone,
-upstream reset) into the right answer for the agent. Everything else is a `FlowStep`.
+It knows HTTP, not budgets: reading the request, the exchange (one `OutboundClient.call`,
+bounded by the run's deadline; headers by server/outbound.py's credential rule), streaming relay
+chunk by chunk, and turning a cut (deadline, cancel, client gone, upstream reset) into the right
+answer for the agent. Everything else is a `FlowStep` the `Pipeline` (server/flow.py) calls —
+context policies and the `runcap_fetch` loop included (server/context.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 
 import aiohttp
 import orjson
@@ -20,10 +21,7 @@ from multidict import CIMultiDict
 
 from proxy.caps import parse_run_headers
 from proxy.config import Config, UpstreamConfig
-from proxy.context.fetch import answer_fetches
-from proxy.context.stream import sse_answer
 from proxy.errors import (
-    BudgetExceeded,
     DeadlineExceeded,
     InternalError,
     InvalidRequest,
@@ -34,51 +32,26 @@ from proxy.errors import (
 from proxy.providers.base import BodyError, ResponseInfo
 from proxy.providers.registry import adapter_for
 from proxy.server.auth import ClientAuth
-from proxy.server.flow import Flights, Flow, FlowStep
-from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
-from proxy.server.inner import InnerCalls
+from proxy.server.flow import Flights, Flow, Pipeline
+from proxy.server.headers import response_headers
 from proxy.server.metrics import Metrics
-from proxy.server.outbound import OutboundClient, call_timeout, run_deadline
+from proxy.server.outbound import OutboundClient, model_headers, run_deadline
+from proxy.server.outbound import release_or_drop as release_or_drop  # where tools, mcp import it
 from proxy.server.request_body import read_body
 from proxy.server.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.forward")
 
 
-_OUTCOME = {
-    BudgetExceeded: "budget_exceeded",
-    DeadlineExceeded: "deadline_exceeded",
-    RunCancelled: "cancelled",
-}
-
-
-def release_or_drop(upstream: aiohttp.ClientResponse) -> None:
-    """Return a fully read connection to the pool; drop one cut mid-body, so the upstream (a
-    model provider still generating, a tool still working) sees the disconnect."""
-    if upstream.content.at_eof():
-        upstream.release()
-    else:
-        upstream.close()
-
-
 class Forwarder:
     def __init__(
-        self,
-        config: Config,
-        client: OutboundClient,
-        steps: Sequence[FlowStep],
-        flights: Flights,
-        metrics: Metrics,
-        inner: InnerCalls | None = None,
+        self, config: Config, client: OutboundClient, steps: Pipeline, flights: Flights, metrics: Metrics
     ) -> None:
         self.config = config
         self.client = client  # every call to a model upstream leaves through it (server/outbound.py)
-        self.steps = list(steps)
+        self.steps = steps  # also runcap's own calls within a run go through them (server/inner.py)
         self.flights = flights
         self.metrics = metrics
-        # runcap's own model calls within a run (`runcap_fetch` continuations, summaries).
-        self.inner = inner if inner is not None else InnerCalls()
-        self.inner.bind(self)
         # Streams are captured for the payload store only when it keeps bodies at all.
         self.capture_limit = 0 if config.payloads == "off" else config.payload_max_bytes
 
@@ -87,7 +60,7 @@ class Forwarder:
     ) -> web.StreamResponse:
         # Chosen on the decoded form of exactly the path that is sent (upstream_url.py).
         adapter = adapter_for(upstream.flavor, target.path) if request.method == "POST" else None
-        flow = Flow(request, upstream, target, adapter)
+        flow = Flow(request, upstream, target, adapter, pipeline=self.steps)
         try:
             reply = await self._answer(flow, clients)
         except ConnectionError:
@@ -100,8 +73,8 @@ class Forwarder:
             # A bug: the agent gets a 500 in its own error shape, and the done steps (access log,
             # span) record that 500 — not the "0 ok" of a flow nobody finished.
             log.exception("%s %s failed inside runcap", request.method, request.path)
-            reply = flow.reply
-            if reply is not None and reply.prepared:
+            if flow.reply is not None and flow.reply.prepared:
+                reply = flow.reply
                 flow.outcome, flow.error = "error", f"{type(e).__name__} inside runcap"
             else:
                 reply = self._reject(flow, InternalError(
@@ -109,13 +82,7 @@ class Forwarder:
                     "sent. This is a bug in runcap: report it with the server log"
                 ))  # fmt: skip
         finally:
-            for step in self.steps:
-                try:
-                    await step.done(flow)
-                except Exception:
-                    log.exception(
-                        "step %s failed after %s %s", type(step).__name__, request.method, request.path
-                    )
+            await self.steps.done(flow)
         return await self._finish(flow, reply)
 
     async def _answer(self, flow: Flow, clients: ClientAuth) -> web.StreamResponse:
@@ -156,8 +123,7 @@ class Forwarder:
         self.metrics.in_flight.inc()
         try:
             try:
-                for step in self.steps:
-                    await step.request(flow)
+                await self.steps.request(flow)
             except Rejection as rej:
                 return self._reject(flow, rej)
             except asyncio.CancelledError:
@@ -207,7 +173,7 @@ class Forwarder:
 
     def _reject(self, flow: Flow, rej: Rejection) -> web.Response:
         flow.status = rej.status
-        flow.outcome = next((o for cls, o in _OUTCOME.items() if isinstance(rej, cls)), "error")
+        flow.outcome = rej.outcome
         flow.error = rej.message
         self.metrics.rejections.labels(rej.code or rej.type).inc()
         headers = {"X-Run-Id": flow.run.run_id} if flow.run else {}
@@ -215,33 +181,20 @@ class Forwarder:
 
     # -- the upstream exchange --------------------------------------------------------------
 
-    def upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
-        return self._upstream_headers(flow)
-
-    def _upstream_headers(self, flow: Flow) -> CIMultiDict[str]:
-        key = flow.api_key
-        out = request_headers(flow.request.headers, AGENT_CREDENTIALS if key else ())
-        if key:
-            if flow.flavor == "anthropic":
-                out["x-api-key"] = key
-            else:
-                out["Authorization"] = f"Bearer {key}"
-        return out
-
     async def _exchange(self, flow: Flow) -> web.StreamResponse:
         assert flow.run is not None
-        timeout = call_timeout(run_deadline(flow.run, flow.state, flow.started_wall)).seconds
         body = orjson.dumps(flow.body_json) if flow.body_changed else flow.body
         flow.sent_body = body
-        url = flow.target.url
         reply: web.StreamResponse | None = None
-        upstream: aiohttp.ClientResponse | None = None
         flow.upstream_started = time.perf_counter()
         try:
-            async with asyncio.timeout(timeout):
-                upstream = await self.client.request(
-                    flow.request.method, url, headers=self._upstream_headers(flow), data=body
-                )
+            async with self.client.call(
+                flow.request.method,
+                flow.target.url,
+                deadline=run_deadline(flow.run, flow.state, flow.started_wall),
+                headers=model_headers(flow.request.headers, flow.flavor, flow.api_key),
+                data=body,
+            ) as upstream:
                 flow.upstream_status = upstream.status
                 relay = flow.adapter is None and not flow.buffer_answer
                 if relay or upstream.content_type == "text/event-stream":
@@ -279,8 +232,6 @@ class Forwarder:
             ))  # fmt: skip
         finally:
             flow.upstream_answered()  # cut short: the wait ends here
-            if upstream is not None:
-                release_or_drop(upstream)
 
     async def _buffered(self, flow: Flow, upstream: aiohttp.ClientResponse) -> web.Response:
         body = await upstream.read()
@@ -296,48 +247,24 @@ class Forwarder:
                 flow.response_info = flow.adapter.parse_response(parsed) if isinstance(parsed, dict) else None
             except (orjson.JSONDecodeError, BodyError) as e:
                 log.warning("could not read %s response from %s: %s", flow.endpoint, flow.upstream.name, e)
-        for step in self.steps:
-            await step.response(flow)
-        rewrite = flow.rewrite
-        if rewrite is not None and rewrite.fetch_tool and upstream.status < 400 and not flow.inner:
-            return await self._fetch_loop(flow, upstream, body)
+        await self.steps.response(flow)
+        if upstream.status < 400 and not flow.inner:
+            try:
+                await self.steps.answer(flow)  # a step may answer in the upstream's place
+            except Rejection as rej:
+                # A step's own call refused (a fetch continuation: a cap, the deadline) or the
+                # upstream gone: the agent's request gets runcap's usual answer for it; the calls
+                # made so far are settled and traced.
+                flow.status = rej.status
+                self.metrics.rejections.labels(rej.code or rej.type).inc()
+                return rej.response(flow.flavor, {"X-Run-Id": flow.run.run_id} if flow.run else {})
         headers = self._reply_headers(flow, upstream)
+        if flow.answer is not None:
+            return web.Response(status=flow.status, body=flow.answer, headers=headers)
         if flow.response_body is not body:  # a step rewrote the answer (its length is the new one's)
             body = flow.response_body or b""
             headers.popall("Content-Length", None)
         return web.Response(status=upstream.status, body=body, headers=headers)
-
-    async def _fetch_loop(self, flow: Flow, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
-        """A request with `runcap_fetch` added (proxy/context/fetch.py): runcap answers the model's
-        fetches itself, continuing with the upstream, and the agent gets only the final answer — as
-        the stream it asked for, when it asked for one (proxy/context/stream.py)."""
-        rewrite, adapter = flow.rewrite, flow.adapter
-        assert rewrite is not None and adapter is not None
-        try:
-            first = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            first = None
-        if not isinstance(first, dict):
-            return web.Response(
-                status=upstream.status, body=body, headers=self._reply_headers(flow, upstream)
-            )
-        try:
-            answer = await answer_fetches(flow, first, self.inner)
-        except Rejection as rej:
-            # An inner call refused (a cap, the deadline) or the upstream gone: the agent's request
-            # gets runcap's usual answer for it; the calls made so far are settled and traced.
-            flow.status = rej.status
-            self.metrics.rejections.labels(rej.code or rej.type).inc()
-            return rej.response(flow.flavor, {"X-Run-Id": flow.run.run_id} if flow.run else {})
-        headers = self._reply_headers(flow, upstream)
-        headers.update(answer.reply_headers)
-        flow.status = answer.status
-        out = body if answer.body is None else answer.body
-        if answer.response is not None and rewrite.agent_stream:
-            out = sse_answer(adapter.name, answer.response, include_usage=rewrite.agent_stream_usage)
-            headers["Content-Type"] = "text/event-stream; charset=utf-8"
-            headers["Cache-Control"] = "no-cache"
-        return web.Response(status=answer.status, body=out, headers=headers)
 
     def _reply_headers(self, flow: Flow, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
         out = response_headers(upstream.headers)
@@ -349,8 +276,7 @@ class Forwarder:
         flow.status = upstream.status
         if upstream.status >= 400:
             flow.outcome = "error"
-        for step in self.steps:
-            await step.response(flow)
+        await self.steps.response(flow)
         reply = flow.reply = web.StreamResponse(
             status=upstream.status, headers=self._reply_headers(flow, upstream)
         )
@@ -419,7 +345,7 @@ class Forwarder:
     async def _cut(self, flow: Flow, reply: web.StreamResponse | None, rej: Rejection) -> web.StreamResponse:
         """The call was cut (deadline, cancel, upstream failure). Before the agent got headers it
         gets the rejection; mid-stream it gets an error event in its format and the end."""
-        flow.outcome = next((o for cls, o in _OUTCOME.items() if isinstance(rej, cls)), "error")
+        flow.outcome = rej.outcome
         flow.error = rej.message
         self.metrics.rejections.labels(rej.code or rej.type).inc()
         if reply is None or not reply.prepared:

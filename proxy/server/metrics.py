@@ -18,12 +18,12 @@ from prometheus_client.registry import Collector
 
 from proxy.ledger.pending import RESERVATION_KINDS
 from proxy.money import NANOS_PER_USD
+from proxy.server.flow import Flow, FlowStep
 
 if TYPE_CHECKING:
     from proxy.ledger.base import Settlement
     from proxy.ledger.guarded import GuardedLedger
     from proxy.server.connections import ConnectionGuard
-    from proxy.server.flow import Flow
     from proxy.server.worker_metrics import WorkerSiblings
     from proxy.spans.setup import SpanSystem
     from proxy.spans.wal import WalWriter
@@ -220,7 +220,7 @@ class Metrics:
         return await self.siblings.exposition()
 
 
-class MetricsStep:
+class MetricsStep(FlowStep):
     """Counts every finished request."""
 
     def __init__(self, metrics: Metrics) -> None:
@@ -231,9 +231,6 @@ class MetricsStep:
             self.m.clamped.inc()
         if flow.final_step:
             self.m.final_steps.inc()
-
-    async def response(self, flow: Flow) -> None:
-        pass
 
     async def done(self, flow: Flow) -> None:
         duration_ms = flow.duration_ms

@@ -9,25 +9,37 @@ GET streams, DELETE). What holds for all of them holds because it is written onc
 * **No silent second send.** aiohttp resends a request whose pooled connection reset, when its
   method is "idempotent" (PUT, DELETE...). A side-effecting tool call is not, whatever its
   method: a resend is a second execution. Off.
-* **One timeout arithmetic.** `call_timeout` turns the run's deadline (and a call's own limit,
-  e.g. a tool's `timeout_s`) into the call's timeout; `run_deadline` says what the deadline is,
-  also for a request the ledger has not seen — a request without `X-Run-Id` is its own run, and
-  the operator's `[caps]` / `[tasks]` timeout bounds it from its first byte. `deadline_headers`
-  are the `X-Run-Deadline` / `X-Run-Remaining-Ms` a tool or MCP server is told.
+* **One timeout arithmetic.** `OutboundClient.call` takes the run's deadline and the call's own
+  limit (e.g. a tool's `timeout_s`) and bounds the whole exchange — sending, the answer's headers
+  and everything read from it — by whichever comes first; a cut is a `CallTimedOut` that says
+  which (`by_deadline`). `run_deadline` says what the deadline is, also for a request the ledger
+  has not seen — a request without `X-Run-Id` is its own run, and the operator's `[caps]` /
+  `[tasks]` timeout bounds it from its first byte. `deadline_headers` are the `X-Run-Deadline` /
+  `X-Run-Remaining-Ms` a tool or MCP server is told. (`call_timeout` is the arithmetic itself,
+  for the callers not yet on `call`.)
+* **One credential rule for model upstreams.** `model_headers`: the agent's headers minus
+  runcap's own, and — when runcap has a key for the upstream — minus the agent's credentials,
+  with the key in the header the upstream's wire format reads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.client import _RequestContextManager
+from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.caps import RunRequest
 from proxy.ledger.base import RunState
+from proxy.server.headers import AGENT_CREDENTIALS, request_headers
 from proxy.server.ops import iso
 
 
@@ -69,6 +81,36 @@ def deadline_headers(deadline: float | None, now: float | None = None) -> dict[s
     return {"X-Run-Deadline": iso(deadline) or "", "X-Run-Remaining-Ms": str(int(left * 1000))}
 
 
+class CallTimedOut(TimeoutError):
+    """An outbound call cut at its bound: the run's deadline (`by_deadline`), else its own limit."""
+
+    def __init__(self, by_deadline: bool) -> None:
+        super().__init__("the run's deadline" if by_deadline else "the call's own time limit")
+        self.by_deadline = by_deadline
+
+
+def release_or_drop(upstream: aiohttp.ClientResponse) -> None:
+    """Return a fully read connection to the pool; drop one cut mid-body, so the upstream (a
+    model provider still generating, a tool still working) sees the disconnect."""
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
+
+
+def model_headers(incoming: Mapping[str, str], flavor: str, api_key: str | None) -> CIMultiDict[str]:
+    """The headers of a call to a model upstream: the agent's (`X-Run-*` and hop-by-hop dropped),
+    its credentials replaced by `api_key` when runcap sends one (the tenant's or the upstream's
+    key), in the header the wire format reads (Anthropic `x-api-key`, else a bearer token)."""
+    out = request_headers(incoming, AGENT_CREDENTIALS if api_key else ())
+    if api_key:
+        if flavor == "anthropic":
+            out["x-api-key"] = api_key
+        else:
+            out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
 class OutboundClient:
     """One connection pool to other servers, opened at start-up and closed at clean-up. Requests
     go out only through `request` (never following a redirect, never resent on their own)."""
@@ -108,8 +150,39 @@ class OutboundClient:
         if self._session is not None:
             await self._session.close()
 
+    @contextlib.asynccontextmanager
+    async def call(
+        self,
+        method: str,
+        url: str | URL,
+        *,
+        deadline: float | None,
+        limit_s: float | None = None,
+        headers: Any = None,
+        data: bytes | None = None,
+        now: float | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`async with client.call(...) as upstream:` one call, bounded as a whole — sending, the
+        answer's headers and whatever the block reads or relays of it — by the run's `deadline`
+        (epoch seconds, None: none) or the call's own `limit_s`, whichever comes first; reaching
+        it raises `CallTimedOut`. On leaving the block the connection is released when the answer
+        was read to its end, else dropped (the upstream sees the disconnect)."""
+        clock = call_timeout(deadline, limit_s, now)
+        bound = asyncio.timeout(clock.seconds)
+        try:
+            async with bound:
+                upstream = await self.request(method, url, headers=headers, data=data)
+                try:
+                    yield upstream
+                finally:
+                    release_or_drop(upstream)
+        except TimeoutError:
+            if bound.expired():
+                raise CallTimedOut(clock.by_deadline) from None
+            raise
+
     def request(
-        self, method: str, url: str, *, headers: Any = None, data: bytes | None = None
+        self, method: str, url: str | URL, *, headers: Any = None, data: bytes | None = None
     ) -> _RequestContextManager:
         """Send one request (await it, or use it as `async with`); a 3xx comes back as the answer."""
         if self._session is None:

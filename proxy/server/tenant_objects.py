@@ -33,7 +33,7 @@ import orjson
 
 from proxy.errors import NotFound
 from proxy.ledger.base import Ledger
-from proxy.server.flow import Flow
+from proxy.server.flow import Flow, FlowStep
 
 # Collections of provider objects, as path segments after /v1. Longest first: matched in order.
 COLLECTIONS: tuple[tuple[str, ...], ...] = (
@@ -53,7 +53,7 @@ COLLECTIONS: tuple[tuple[str, ...], ...] = (
     ("skills",),
 )
 # Segments after a collection that are endpoints of its own, not object ids.
-NOT_IDS = {("responses",): frozenset({"input_tokens", "compact"})}
+NOT_IDS: dict[tuple[str, ...], frozenset[str]] = {("responses",): frozenset({"input_tokens", "compact"})}
 # Body fields that name provider objects the request reads or uses.
 REFERENCE_FIELDS = frozenset(
     {"previous_response_id", "previous_message_id", "conversation", "conversation_id", "file_id", "file_ids",
@@ -135,7 +135,7 @@ def _ids(value: Any) -> Iterator[str]:
         yield from (v for v in value if isinstance(v, str) and v)
 
 
-class TenantObjects:
+class TenantObjects(FlowStep):
     """The flow step (first of them: a refused call reserves and counts nothing)."""
 
     def __init__(self, ledger: Ledger) -> None:

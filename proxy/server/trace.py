@@ -39,7 +39,7 @@ from proxy.errors import LedgerUnavailable
 from proxy.hashing import args_hash, canonical_json, result_hash
 from proxy.ledger.base import RunState
 from proxy.money import NANOS_PER_USD
-from proxy.server.flow import Flow
+from proxy.server.flow import Flow, FlowStep
 from proxy.spans.model import Payload, RunSnapshot, Span
 from proxy.spans.recorder import SpanRecorder, sha256_hex
 
@@ -136,19 +136,13 @@ def context_record(
     return bodies
 
 
-class TraceStep:
+class TraceStep(FlowStep):
     def __init__(self, recorder: SpanRecorder) -> None:
         self.recorder = recorder
         self._calls = _Memory()  # (run, call id) → (step that requested it, tool name)
         self._results = _Memory()  # (run, call id) of results already recorded
         self._waiting: list[tuple[Flow, asyncio.Future[str]]] = []  # until this loop turn ends
         self._retry: asyncio.TimerHandle | None = None  # while the WAL holds records
-
-    async def request(self, flow: Flow) -> None:
-        pass
-
-    async def response(self, flow: Flow) -> None:
-        pass
 
     async def done(self, flow: Flow) -> None:
         if flow.run is None:
