@@ -4,7 +4,7 @@ is over `X-Run-Max-Context-Tokens` is refused, and the agent's request gets that
 `max_context_tokens`), exactly as if the agent had sent the continuation itself. It is never
 sent to the upstream and costs nothing; the first call stays charged.
 
-Driven like tests/test_context_offload.py: the official wire format against runcap in front of
+Driven like tests/app/test_context_offload.py: the official wire format against runcap in front of
 the scripted upstream, whose model asks for a handle at the step under test.
 """
 
