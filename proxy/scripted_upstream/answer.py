@@ -41,6 +41,26 @@ class Answer:
     input_audio_tokens: int = 0  # part of input_tokens
     hosted: tuple[HostedUse, ...] = ()  # hosted-tool uses made, in order
 
+    def usage(self) -> Usage:
+        """The answer's usage as runcap normalises it."""
+        # What the uses bill per use: searches, and code interpreter container sessions (all of a
+        # response's calls share one container: one session).
+        billed = {
+            "web_search": sum(1 for h in self.hosted if h.tool.startswith("web_search")),
+            "file_search": sum(1 for h in self.hosted if h.tool == "file_search"),
+            "code_execution": 1 if any(h.tool == "code_interpreter" for h in self.hosted) else 0,
+        }
+        return Usage(
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            cache_read_tokens=self.cache_read_tokens,
+            cache_write_tokens=self.cache_write_tokens,
+            reasoning_tokens=self.reasoning_tokens,
+            input_audio_tokens=self.input_audio_tokens,
+            output_audio_tokens=self.audio_tokens,
+            tool_uses={kind: n for kind, n in billed.items() if n},
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class HostedUse:
@@ -142,24 +162,7 @@ def compose_answer(
             output += need
     if output == 0:
         output = 1  # a turn always emits at least one (end-of-turn) token
-    # What the uses bill per use: searches, and code interpreter container sessions (all of a
-    # response's calls share one container: one session).
-    billed = {
-        "web_search": sum(1 for h in hosted if h.tool.startswith("web_search")),
-        "file_search": sum(1 for h in hosted if h.tool == "file_search"),
-        "code_execution": 1 if any(h.tool == "code_interpreter" for h in hosted) else 0,
-    }
-    rec.usage = Usage(
-        input_tokens=input_tokens,
-        output_tokens=output,
-        cache_read_tokens=step.cache_read_tokens,
-        cache_write_tokens=step.cache_write_tokens,
-        reasoning_tokens=reasoning,
-        input_audio_tokens=input_audio,
-        output_audio_tokens=audio_out,
-        tool_uses={kind: n for kind, n in billed.items() if n},
-    )
-    return Answer(
+    ans = Answer(
         text=text,
         calls=calls,
         reasoning_tokens=reasoning,
@@ -172,3 +175,5 @@ def compose_answer(
         input_audio_tokens=input_audio,
         hosted=hosted,
     )
+    rec.usage = ans.usage()
+    return ans
