@@ -18,6 +18,8 @@ from proxy.scripted_upstream.tokens import count_tokens, filler_text, references
 
 @dataclass(slots=True)
 class Call:
+    """A tool call of the answer, named by the server."""
+
     id: str
     name: str
     arguments: str

@@ -69,6 +69,8 @@ class Thread:
 
 
 class AnthropicMessages(WireFormat):
+    """`/v1/messages` and `/v1/messages/count_tokens`, with the threads the server holds."""
+
     def __init__(self, upstream: ScriptedUpstream) -> None:
         super().__init__(upstream)
         # Anthropic threads by the id of their latest answer, for `thread: continue`.

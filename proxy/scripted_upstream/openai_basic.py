@@ -43,6 +43,8 @@ MODELS = ("gpt-4o-mini", "gpt-4.1", "o4-mini", "text-embedding-3-small", "claude
 
 
 class OpenAIBasic(OpenAIFormat):
+    """Legacy completions, embeddings and the model list."""
+
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/completions", self.handle_completions),

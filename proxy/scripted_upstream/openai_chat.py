@@ -34,6 +34,8 @@ from proxy.scripted_upstream.wire import (
 
 
 class OpenAIChat(OpenAIFormat):
+    """Chat completions, at OpenAI's path and at Azure-style deployments."""
+
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/chat/completions", self.handle),

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 
 class OpenAIResponses(OpenAIFormat):
+    """`/v1/responses`, with the responses and items the server stores."""
+
     def __init__(self, upstream: ScriptedUpstream) -> None:
         super().__init__(upstream)
         # Stored Responses (`store` not false): the conversation behind each response id — its

@@ -223,7 +223,7 @@ def load_scripts(path: str) -> dict[str, list[dict[str, Any]]]:
     return raw
 
 
-# --------------------------------------------------------------------------- runcap_fetch
+# --------------------------------------------------------------------------- runcap_fetch calls
 
 FETCH_TOOL = "runcap_fetch"
 _HANDLE = re.compile(rb"runcap:sha256/[0-9a-f]{64}")
