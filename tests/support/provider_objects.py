@@ -2,7 +2,11 @@
 upload, list, retrieve, content, delete) and Batches (create from an input file, retrieve, list).
 Objects belong to the account of the key that created them (`Authorization: Bearer KEY`), as at
 the provider: one account's key sees all of that account's objects, and none of another's.
-`seed(key, ...)` puts an object there that runcap never saw created."""
+`seed(key, ...)` puts an object there that runcap never saw created. Errors have the provider's
+shape, as the scripted upstream writes it (`openai_error_body`).
+
+Not a wire format of the scripted upstream: the scripted upstream holds no files, and its stored
+responses are keyed by response id, not by account; what the two share is the error shape."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.scripted_upstream.openai_common import openai_error_body
+from proxy.scripted_upstream.wire import JSON
 from tests.support.local_app import serve_local
 
 
@@ -90,10 +96,7 @@ class ProviderObjects:
         obj = self.files.get(self._key(request), {}).get(request.match_info["id"])
         if obj is None:
             message = f"No such File object: {request.match_info['id']}"
-            raise web.HTTPNotFound(
-                text=f'{{"error": {{"message": "{message}", "type": "invalid_request_error"}}}}',
-                content_type="application/json",
-            )
+            raise web.HTTPNotFound(body=openai_error_body(404, message, None), content_type=JSON)
         return obj
 
     async def _get_file(self, request: web.Request) -> web.Response:
@@ -111,7 +114,10 @@ class ProviderObjects:
         key = self._key(request)
         body = await request.json()
         if body.get("input_file_id") not in self.files.get(key, {}):
-            raise web.HTTPBadRequest(text="no such input file", content_type="text/plain")
+            message = f"No such File object: {body.get('input_file_id')}"
+            raise web.HTTPBadRequest(
+                body=openai_error_body(400, message, None, "input_file_id"), content_type=JSON
+            )
         oid = f"batch_{secrets.token_hex(8)}"
         batch = {"id": oid, "object": "batch", "endpoint": body["endpoint"],
                  "input_file_id": body["input_file_id"], "completion_window": body["completion_window"],
@@ -126,7 +132,6 @@ class ProviderObjects:
     async def _get_batch(self, request: web.Request) -> web.Response:
         batch = self.batches.get(self._key(request), {}).get(request.match_info["id"])
         if batch is None:
-            raise web.HTTPNotFound(
-                text='{"error": {"message": "No such batch"}}', content_type="application/json"
-            )
+            message = f"No such Batch object: {request.match_info['id']}"
+            raise web.HTTPNotFound(body=openai_error_body(404, message, None), content_type=JSON)
         return web.json_response(batch)
