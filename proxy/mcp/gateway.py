@@ -13,7 +13,7 @@ answers are read on the way (`catalog.py`): runcap learns each tool's annotation
 the tools the operator denied.
 
 A `tools/call` is a tool call of the run, through the same ledger machinery as `/tools`
-(server/toolcalls.py):
+(proxy/toolcall/):
   1. denied tool → -32044; side effects from the operator's override or the annotations (a tool
      not seen listed yet: runcap lists the server's tools first, in the agent's session);
   2. the ledger, atomically: run live? `X-Run-Max-Tool-Calls`? For a side-effecting call its
@@ -26,7 +26,7 @@ A `tools/call` is a tool call of the run, through the same ledger machinery as `
      `X-Run-Id`, `Idempotency-Key`, `X-Run-Deadline`, `X-Run-Remaining-Ms`; a cancel or the
      deadline cuts it: the server's stream is closed and it gets `notifications/cancelled` for
      the request id; the tool's own timeout is a result with `isError: true` the model can read;
-  4. the outcome, by the rule `/tools` follows too (server/tool_outcome.py): the server's
+  4. the outcome, by the rule `/tools` follows too (toolcall/outcome.py): the server's
      JSON-RPC response (a result or an error, whatever its code) is recorded before the agent
      sees it; a stream that ends without it is resumed (`Last-Event-ID`) when the server made it
      resumable; an HTTP answer without it (a proxy's 502/504, a redirect), a reset or an
@@ -95,16 +95,18 @@ from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_he
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import call_timeout, deadline_headers, run_deadline
 from proxy.server.request_body import read_body
-from proxy.server.tool_outcome import (
+from proxy.server.upstream_url import UpstreamTarget, remaining_segments
+from proxy.spans.recorder import SpanRecorder
+from proxy.toolcall.call import ToolCall
+from proxy.toolcall.outcome import (
     ToolResponseTooLarge,
     never_left,
     read_bounded,
     session_refused,
     tool_run_headers,
 )
-from proxy.server.toolcalls import ToolCall, ToolClient, ToolRoute, record_tool_call
-from proxy.server.upstream_url import UpstreamTarget, remaining_segments
-from proxy.spans.recorder import SpanRecorder
+from proxy.toolcall.route import ToolClient, ToolRoute
+from proxy.toolcall.span import record_tool_call
 
 log = logging.getLogger("runcap.mcp")
 
@@ -802,7 +804,7 @@ class MCPGateway(ToolRoute):
             except (aiohttp.ClientError, OSError, ToolResponseTooLarge, EventTooLarge) as e:
                 if answered is not None:
                     return
-                # Released only when it provably never left; else unknown (server/tool_outcome.py).
+                # Released only when it provably never left; else unknown (toolcall/outcome.py).
                 await self.calls.failed(call, e, label)
                 if never_left(e):
                     raise UpstreamUnavailable(
@@ -814,7 +816,7 @@ class MCPGateway(ToolRoute):
                 release_or_drop(upstream)
             self.calls.finished(run.run_id, call.key, executing)
         if answered is None and upstream is not None and session_refused(upstream.status, headers):
-            # The session is gone (server/tool_outcome.py): refused before dispatch. The 404 went to
+            # The session is gone (toolcall/outcome.py): refused before dispatch. The 404 went to
             # the agent as it was; it starts a new session and sends the call again.
             if call.key is not None:
                 await self.calls.release(run.run_id, call.key)
@@ -843,7 +845,7 @@ class MCPGateway(ToolRoute):
 
     async def _outcome(self, call: ToolCall, message: dict[str, Any], label: str) -> None:
         """The server's answer is the call's outcome: recorded against the key (a repeat replays
-        it), a JSON-RPC error as much as a result (server/tool_outcome.py)."""
+        it), a JSON-RPC error as much as a result (toolcall/outcome.py)."""
         assert call.run is not None
         call.status = 200
         call.reached = "true"
