@@ -60,7 +60,7 @@ from proxy.server.forward import release_or_drop
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.keys import key_args
-from proxy.toolcall.outcome import never_left, session_refused, tool_run_headers
+from proxy.toolcall.outcome import never_left, session_refused
 from proxy.toolcall.route import ToolRoute
 from proxy.toolcall.span import record_tool_call
 
@@ -111,20 +111,12 @@ class MCPToolCalls:
         except Rejection as rej:
             call.refused(rej)
             self.metrics.rejections.labels(rej.code or rej.type).inc()
-            await reply.message(refusal(rid, rej), self._answer_headers(run, call))
+            await reply.message(refusal(rid, rej), call.answer_headers())
         finally:
             access = ("POST", f"/mcp/{server.name}", run.run_id) if self.config.log_requests else None
             record_tool_call(
                 self.recorder, self.metrics, call, endpoint="tools/call", metric_label=label, access=access
             )
-
-    def _answer_headers(self, run: RunRequest, call: ToolCall) -> dict[str, str]:
-        headers = (
-            tool_run_headers(call.state, time.time()) if call.state is not None else {"X-Run-Id": run.run_id}
-        )
-        if call.key is not None:
-            headers["Idempotency-Key"] = call.key
-        return headers
 
     async def _admit(
         self,
@@ -253,7 +245,7 @@ class MCPToolCalls:
         call.result_hash = result_hash(record.body)
         self.metrics.tool_replays.labels(label).inc()
         assert call.run is not None
-        headers = {**self._answer_headers(call.run, call), "X-Idempotent-Replay": "true"}
+        headers = {**call.answer_headers(), "X-Idempotent-Replay": "true"}
         await reply.message(replayed(record, rid), headers)
 
     async def _execute(
@@ -300,7 +292,7 @@ class MCPToolCalls:
             try:
                 async with asyncio.timeout(timeout) as clock:
                     upstream = await self.client.request("POST", target.url, data=body, headers=headers)
-                    answer_headers = self._answer_headers(run, call)
+                    answer_headers = call.answer_headers()
                     end = await self.relay.answer(upstream, reply, answer_headers, watch, rid)
                     upstream, end = await self.relay.resume(target, headers, reply, watch, rid, upstream, end)
             except TimeoutError:
@@ -327,13 +319,13 @@ class MCPToolCalls:
                 if call.outcome != "unknown":
                     call.outcome = "timeout"
                 result = {"content": [{"type": "text", "text": text}], "isError": True}
-                await reply.message(result_message(rid, result), self._answer_headers(run, call))
+                await reply.message(result_message(rid, result), call.answer_headers())
                 return
             except asyncio.CancelledError:
                 if answered is not None and call.cut_reason == "cancel":
                     # The cancel raced the answer: the call happened, and the agent gets its result.
                     task.uncancel()
-                    await reply.message(answered, self._answer_headers(run, call))
+                    await reply.message(answered, call.answer_headers())
                     return
                 if call.cut_reason != "cancel":
                     if answered is None:

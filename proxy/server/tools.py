@@ -58,7 +58,7 @@ from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.keys import key_args
-from proxy.toolcall.outcome import ToolResponseTooLarge, never_left, read_bounded, tool_run_headers
+from proxy.toolcall.outcome import ToolResponseTooLarge, never_left, read_bounded
 from proxy.toolcall.route import ToolRoute
 from proxy.toolcall.span import record_tool_call
 
@@ -160,7 +160,7 @@ class ToolGateway(ToolRoute):
             call.state = start.state
             if start.action == "replay":
                 assert start.record is not None
-                return self._replay(call, start.record, start.state)
+                return self._replay(call, start.record)
             try:
                 return await self._execute(request, call, tool, target, headers, body, start.state)
             except (Rejection, asyncio.CancelledError):
@@ -181,14 +181,12 @@ class ToolGateway(ToolRoute):
         finally:
             self.flights.remove(run.run_id, task)
 
-    def _replay(self, call: ToolCall, record: IdempotencyRecord, state: RunState) -> web.Response:
+    def _replay(self, call: ToolCall, record: IdempotencyRecord) -> web.Response:
         call.status = record.status or 200
         call.outcome = "replayed"
         call.result_hash = result_hash(record.body)
         self.metrics.tool_replays.labels(call.tool).inc()
-        headers = {**record.headers, **tool_run_headers(state, time.time()), "X-Idempotent-Replay": "true"}
-        if call.key:
-            headers["Idempotency-Key"] = call.key
+        headers = {**record.headers, **call.answer_headers(), "X-Idempotent-Replay": "true"}
         return web.Response(status=call.status, body=record.body, headers=headers)
 
     def _tool_headers(self, request: web.Request, tool: ToolConfig, run: RunRequest) -> CIMultiDict[str]:
@@ -309,9 +307,7 @@ class ToolGateway(ToolRoute):
             await self.calls.complete(run.run_id, call.key, status, recorded, data)
             event.set()
         out = response_headers(answer_headers)
-        out.update(tool_run_headers(state, time.time()))
-        if call.key is not None:
-            out["Idempotency-Key"] = call.key
+        out.update(call.answer_headers())
         return web.Response(status=status, body=data, headers=out)
 
     async def _unknown(self, call: ToolCall, reason: str) -> None:

@@ -59,6 +59,17 @@ class ToolCall:
             self.request_hash = body.sha256
         self.bodies.append(body)
 
+    def answer_headers(self) -> dict[str, str]:
+        """What the agent is told with the call's answer: `X-Run-Id`, what the run has left of
+        its tool calls and time (once the ledger has answered), and the call's `Idempotency-Key`."""
+        if self.state is not None:
+            headers = _run_headers(self.state, time.time())
+        else:
+            headers = {"X-Run-Id": self.run.run_id} if self.run is not None else {}
+        if self.key is not None:
+            headers["Idempotency-Key"] = self.key
+        return headers
+
     def refused(self, rej: Rejection) -> None:
         """The call ends with `rej`: its status, outcome and error for the span."""
         self.status = rej.status
@@ -69,3 +80,13 @@ class ToolCall:
             elif rej.type == "idempotency_outcome_unknown":
                 self.outcome = "unknown"
         self.error = rej.message
+
+
+def _run_headers(state: RunState, now: float) -> dict[str, str]:
+    headers = {"X-Run-Id": state.run_id}
+    remaining = state.remaining(now)
+    if remaining["tool_calls"] is not None:
+        headers["X-Run-Remaining-Tool-Calls"] = str(remaining["tool_calls"])
+    if remaining["ms"] is not None:
+        headers["X-Run-Remaining-Ms"] = str(int(remaining["ms"]))
+    return headers
