@@ -1,4 +1,4 @@
-"""Where the answer to an agent's POST goes (proxy/mcp/gateway.py writes to one of these).
+"""Where the answer to an agent's POST goes (proxy/mcp/relay.py and tools_call.py write to one of these).
 
 `LiveReply` answers a one-message POST as the answer comes: a JSON body, or an SSE stream relayed
 event by event, and runcap's own messages (a refusal, a replay) as JSON or as one more event.

@@ -147,6 +147,11 @@ def dumps(message: Any) -> bytes:
     return orjson.dumps(message)
 
 
+def json_object(value: Any) -> dict[str, Any]:
+    """`value` when it is a JSON object, else an empty one (an absent or malformed `params`)."""
+    return value if isinstance(value, dict) else {}
+
+
 def sse_event(message: dict[str, Any], event_id: str | None = None) -> bytes:
     """One `message` event carrying `message`."""
     head = f"id: {event_id}\r\n" if event_id else ""

@@ -46,7 +46,6 @@ from proxy.server.outbound import OutboundClient
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
 from proxy.server.tenant_objects import TenantObjects
-from proxy.server.toolcalls import ToolClient
 from proxy.server.tools import ToolGateway
 from proxy.server.topup import RunCapsAdmin
 from proxy.server.trace import TraceStep
@@ -55,6 +54,7 @@ from proxy.server.worker_metrics import WorkerSiblings
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
 from proxy.spans.supervisor import ShipperSupervisor, die_with_parent
+from proxy.toolcall.route import ToolClient
 
 log = logging.getLogger("runcap.server")
 

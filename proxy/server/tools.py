@@ -8,7 +8,7 @@ One call:
   2. forward method, sub-path, query and body to the tool, with the run's remaining time as the
      timeout (min the tool's `timeout_s`) and `X-Run-Id`, `Idempotency-Key`, `X-Run-Deadline`,
      `X-Run-Remaining-Ms`; registered in `Flights` so a cancel closes the connection;
-  3. record the outcome by the rule MCP `tools/call` follows too (server/tool_outcome.py): the
+  3. record the outcome by the rule MCP `tools/call` follows too (toolcall/outcome.py): the
      tool's HTTP answer, whatever its status (a 3xx, a proxy's 502 or 504 included) — or
      `unknown` when the call was cut after it may have reached the tool (cancel, timeout, reset);
      released only when it never left (no connection) — and answer; one `tool` span.
@@ -19,8 +19,9 @@ to the tool's `key_fields`) and `op` the `X-Run-Operation-Id`. For any call othe
 the tool's root without a query, the "tool" field is "METHOD name/sub-path?query", so
 `DELETE /tools/crm/orders/1` and `.../orders/2` are different operations.
 
-The call's record, its side of the ledger (waiting out a duplicate, `unknown`) and its span are
-shared with MCP `tools/call` (server/toolcalls.py, proxy/mcp/).
+The call's record, its side of the ledger (waiting out a duplicate, `unknown`), the outcome
+rule, its timeout and its span are shared with MCP `tools/call` (proxy/toolcall/); this module
+does not import proxy/mcp/, nor it this one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
@@ -51,11 +53,14 @@ from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
 from proxy.ledger.base import IdempotencyRecord, RunState, ToolCallRequest
 from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
-from proxy.server.outbound import call_timeout, deadline_headers, run_deadline
 from proxy.server.request_body import read_body
-from proxy.server.tool_outcome import ToolResponseTooLarge, never_left, read_bounded, tool_run_headers
-from proxy.server.toolcalls import ToolCall, ToolRoute, record_tool_call
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
+from proxy.toolcall.call import ToolCall
+from proxy.toolcall.clock import tool_clock
+from proxy.toolcall.keys import key_args
+from proxy.toolcall.outcome import ToolResponseTooLarge, never_left, read_bounded
+from proxy.toolcall.route import ToolRoute
+from proxy.toolcall.span import record_tool_call
 
 log = logging.getLogger("runcap.tools")
 
@@ -79,16 +84,11 @@ def derive_key(
     """`tail` is the decoded sub-path, `query` the canonical query (`canonical_query`): two
     spellings of one operation (`%41` for `A`, reordered parameters) get one key."""
     ok, parsed = parse_json(body) if body else (True, None)
-    if not ok:
-        key_args: Any = {"raw_sha256": hashlib.sha256(body).hexdigest()}
-    elif tool.key_fields is not None and isinstance(parsed, dict):
-        key_args = {k: parsed[k] for k in tool.key_fields if k in parsed}
-    else:
-        key_args = parsed
+    args: Any = key_args(parsed, tool.key_fields) if ok else {"raw_sha256": hashlib.sha256(body).hexdigest()}
     name = tool.name
     if method.upper() != "POST" or tail or query:
         name = f"{method.upper()} {tool.name}/{tail}" + (f"?{query}" if query else "")
-    return idempotency_key(run_id, name, key_args, operation_id)
+    return idempotency_key(run_id, name, args, operation_id)
 
 
 class ToolGateway(ToolRoute):
@@ -160,7 +160,7 @@ class ToolGateway(ToolRoute):
             call.state = start.state
             if start.action == "replay":
                 assert start.record is not None
-                return self._replay(call, start.record, start.state)
+                return self._replay(call, start.record)
             try:
                 return await self._execute(request, call, tool, target, headers, body, start.state)
             except (Rejection, asyncio.CancelledError):
@@ -181,14 +181,12 @@ class ToolGateway(ToolRoute):
         finally:
             self.flights.remove(run.run_id, task)
 
-    def _replay(self, call: ToolCall, record: IdempotencyRecord, state: RunState) -> web.Response:
+    def _replay(self, call: ToolCall, record: IdempotencyRecord) -> web.Response:
         call.status = record.status or 200
         call.outcome = "replayed"
         call.result_hash = result_hash(record.body)
         self.metrics.tool_replays.labels(call.tool).inc()
-        headers = {**record.headers, **tool_run_headers(state, time.time()), "X-Idempotent-Replay": "true"}
-        if call.key:
-            headers["Idempotency-Key"] = call.key
+        headers = {**record.headers, **call.answer_headers(), "X-Idempotent-Replay": "true"}
         return web.Response(status=call.status, body=record.body, headers=headers)
 
     def _tool_headers(self, request: web.Request, tool: ToolConfig, run: RunRequest) -> CIMultiDict[str]:
@@ -213,20 +211,19 @@ class ToolGateway(ToolRoute):
     ) -> web.StreamResponse:
         run = call.run
         assert run is not None
-        now = time.time()
-        deadline = run_deadline(run, state, now)
-        clock = call_timeout(deadline, tool.timeout_s, now)
+        clock = tool_clock(run, state, tool.timeout_s)
         timeout, by_deadline = clock.seconds, clock.by_deadline
 
         if call.key is not None:
             headers["Idempotency-Key"] = call.key
-        headers.update(deadline_headers(deadline, now))
+        headers.update(clock.headers())
 
         recorder = self.recorder
         if body:
             call.keep_body(recorder, body, response=False)
         event = self.calls.executing(run.run_id, call.key)
         upstream: aiohttp.ClientResponse | None = None
+        answer_headers: Mapping[str, str]  # the tool's, or those of runcap's own 502
         try:
             try:
                 async with asyncio.timeout(timeout):
@@ -274,7 +271,7 @@ class ToolGateway(ToolRoute):
                     "aborted (it may or may not have taken effect)"
                 ) from None
             except (aiohttp.ClientError, OSError) as e:
-                # Released only when it provably never left; else unknown (server/tool_outcome.py).
+                # Released only when it provably never left; else unknown (toolcall/outcome.py).
                 await self.calls.failed(call, e, call.tool)
                 if never_left(e):
                     raise UpstreamUnavailable(
@@ -310,9 +307,7 @@ class ToolGateway(ToolRoute):
             await self.calls.complete(run.run_id, call.key, status, recorded, data)
             event.set()
         out = response_headers(answer_headers)
-        out.update(tool_run_headers(state, time.time()))
-        if call.key is not None:
-            out["Idempotency-Key"] = call.key
+        out.update(call.answer_headers())
         return web.Response(status=status, body=data, headers=out)
 
     async def _unknown(self, call: ToolCall, reason: str) -> None:

@@ -1,4 +1,4 @@
-"""One outcome rule for `/tools` and MCP `tools/call` (proxy/server/tool_outcome.py): once a call's
+"""One outcome rule for `/tools` and MCP `tools/call` (proxy/toolcall/outcome.py): once a call's
 bytes may have reached the server, its outcome is what the server answered (recorded, replayed)
 or `unknown` — never "not executed". A server executes each call and then answers with a 504
 without a body, a proxy's 502, a reset, an unparseable body or a JSON-RPC error: three tries of

@@ -1,5 +1,5 @@
 """What a tool call's outcome is, once runcap has tried to send it — one rule for `/tools/{name}`
-(server/tools.py) and MCP `tools/call` (mcp/gateway.py), so that at-most-once does not depend on
+(server/tools.py) and MCP `tools/call` (proxy/mcp/), so that at-most-once does not depend on
 which wire a call came on.
 
 Once the request's bytes may have reached the server, the outcome is:
@@ -23,7 +23,7 @@ specification's "this session does not exist", which the server must give before
 anything and which tells the client to start a new session and send again (`session_refused`).
 
 Also here, because both gateways read an answer the same way: `read_bounded` (an answer larger
-than `tool_max_response_bytes` is refused while it is read) and `tool_run_headers`.
+than `tool_max_response_bytes` is refused while it is read).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import aiohttp
-
-from proxy.ledger.base import RunState
 
 
 def never_left(error: BaseException) -> bool:
@@ -66,13 +64,3 @@ async def read_bounded(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
         if len(data) > limit:
             raise ToolResponseTooLarge(None)
     return bytes(data)
-
-
-def tool_run_headers(state: RunState, now: float) -> dict[str, str]:
-    headers = {"X-Run-Id": state.run_id}
-    remaining = state.remaining(now)
-    if remaining["tool_calls"] is not None:
-        headers["X-Run-Remaining-Tool-Calls"] = str(remaining["tool_calls"])
-    if remaining["ms"] is not None:
-        headers["X-Run-Remaining-Ms"] = str(int(remaining["ms"]))
-    return headers

@@ -1,0 +1,50 @@
+"""What a tool gateway — `/tools/{name}` (server/tools.py) or `/mcp/{name}` (proxy/mcp/) — is
+built on (`ToolRoute`), and the connection pool to tool services and MCP servers they share
+(`ToolClient`).
+"""
+
+from __future__ import annotations
+
+from proxy.config import Config
+from proxy.ledger.base import Ledger
+from proxy.server.auth import ClientAuth
+from proxy.server.flow import Flights
+from proxy.server.metrics import Metrics
+from proxy.server.outbound import OutboundClient
+from proxy.spans.recorder import NullRecorder, SpanRecorder
+from proxy.toolcall.ledger import ToolCallLedger
+
+
+class ToolClient(OutboundClient):
+    """The connection pool to tool services and MCP servers, shared by `/tools` and `/mcp`: those
+    are other hosts than the model providers, so a pool of their own (sending as every outbound
+    call does: server/outbound.py). Closed at clean-up after the gateways' own (an MCP gateway
+    still sends `notifications/cancelled` through it), so `add_to` comes after theirs."""
+
+    def __init__(self) -> None:
+        super().__init__(keepalive_timeout_s=30, connect_timeout_s=10)
+
+
+class ToolRoute:
+    """What `/tools/{name}` (server/tools.py) and `/mcp/{name}` (proxy/mcp/) are built on: the
+    ledger's side of a tool call, the shared tool-side pool, the span recorder, the client
+    tokens, and the in-flight calls a cancel can cut."""
+
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        flights: Flights,
+        metrics: Metrics,
+        client: ToolClient,
+        recorder: SpanRecorder | None = None,
+        clients: ClientAuth | None = None,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.flights = flights
+        self.metrics = metrics
+        self.client = client
+        self.recorder: SpanRecorder = recorder or NullRecorder()
+        self.clients = clients or ClientAuth({})
+        self.calls = ToolCallLedger(ledger, metrics)
