@@ -114,6 +114,7 @@ class ToolTimeout(Rejection):
 class OutcomeUnknown(Rejection):
     status = 409
     type = "idempotency_outcome_unknown"
+    outcome = "unknown"
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="outcome_unknown")

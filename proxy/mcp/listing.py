@@ -17,7 +17,7 @@ from proxy.mcp.catalog import ToolCatalog
 from proxy.mcp.relay import ANSWER_FAILED, StreamableHTTPRelay
 from proxy.mcp.reply import BatchReply
 from proxy.mcp.wire import dumps
-from proxy.server.forward import release_or_drop
+from proxy.server.outbound import release_or_drop
 from proxy.server.upstream_url import UpstreamTarget
 from proxy.toolcall.clock import deadline_clock
 

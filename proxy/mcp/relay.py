@@ -44,9 +44,9 @@ from proxy.mcp.wire import (
     sse_event,
 )
 from proxy.server.flow import Flights
-from proxy.server.forward import release_or_drop
 from proxy.server.headers import response_headers
 from proxy.server.metrics import Metrics
+from proxy.server.outbound import release_or_drop
 from proxy.server.upstream_url import UpstreamTarget
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.ledger import ToolCallLedger

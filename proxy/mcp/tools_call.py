@@ -56,7 +56,7 @@ from proxy.mcp.outcome import outcome_of, replayed
 from proxy.mcp.relay import ANSWER_FAILED, Exchange, StreamableHTTPRelay
 from proxy.mcp.reply import Reply
 from proxy.mcp.wire import JSON, ToolDenied, dumps, is_response, json_object, refusal, result_message
-from proxy.server.forward import release_or_drop
+from proxy.server.outbound import release_or_drop
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.keys import key_args

@@ -36,7 +36,6 @@ from proxy.server.flow import Flights, Flow, Pipeline
 from proxy.server.headers import response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import OutboundClient, model_headers, run_deadline
-from proxy.server.outbound import release_or_drop as release_or_drop  # where tools, mcp import it
 from proxy.server.request_body import read_body
 from proxy.server.upstream_url import UpstreamTarget
 

@@ -1,7 +1,7 @@
 """Every call runcap makes to another server leaves through here: model calls and pass-through
 (forward.py), runcap's own model calls within a run (inner.py), tool calls (tools.py) and every
-MCP request (mcp/gateway.py: relays, `tools/call`, runcap's own `tools/list`, cancel notices,
-GET streams, DELETE). What holds for all of them holds because it is written once, here:
+MCP request (proxy/mcp: the relay's POSTs, GET streams, DELETE and cancel notices in
+`relay.py`, `tools/call` in `tools_call.py`, runcap's own `tools/list` in `listing.py`). What holds for all of them holds because it is written once, here:
 
 * **No redirect is followed.** `OutboundClient.request` is the only way to send, and it never
   follows one: a 3xx is the server's answer, relayed or recorded as such (a followed 307 would
@@ -15,8 +15,10 @@ GET streams, DELETE). What holds for all of them holds because it is written onc
   which (`by_deadline`). `run_deadline` says what the deadline is, also for a request the ledger
   has not seen — a request without `X-Run-Id` is its own run, and the operator's `[caps]` /
   `[tasks]` timeout bounds it from its first byte. `deadline_headers` are the `X-Run-Deadline` /
-  `X-Run-Remaining-Ms` a tool or MCP server is told. (`call_timeout` is the arithmetic itself,
-  for the callers not yet on `call`.)
+  `X-Run-Remaining-Ms` a tool or MCP server is told. (`call_timeout` is the arithmetic itself;
+  the tool gateways read it through `proxy/toolcall/clock.py`, because their calls outlive one
+  `async with` — an MCP answer relayed as a stream, a `tools/call` whose bound is lifted once the
+  answer is on record.)
 * **One credential rule for model upstreams.** `model_headers`: the agent's headers minus
   runcap's own, and — when runcap has a key for the upstream — minus the agent's credentials,
   with the key in the header the upstream's wire format reads.

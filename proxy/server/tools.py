@@ -51,8 +51,8 @@ from proxy.errors import (
 )
 from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
 from proxy.ledger.base import IdempotencyRecord, RunState, ToolCallRequest
-from proxy.server.forward import release_or_drop
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
+from proxy.server.outbound import release_or_drop
 from proxy.server.request_body import read_body
 from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 from proxy.toolcall.call import ToolCall

@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from proxy.caps import RunRequest
-from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, ToolTimeout
+from proxy.errors import Rejection
 from proxy.ledger.base import RunState
 from proxy.spans.model import Payload
 from proxy.spans.recorder import SpanRecorder
-
-_OUTCOME = {DeadlineExceeded: "deadline_exceeded", RunCancelled: "cancelled", ToolTimeout: "timeout"}
 
 
 @dataclass(slots=True, eq=False)
@@ -74,11 +72,7 @@ class ToolCall:
         """The call ends with `rej`: its status, outcome and error for the span."""
         self.status = rej.status
         if self.outcome != "unknown":
-            self.outcome = next((o for cls, o in _OUTCOME.items() if isinstance(rej, cls)), "error")
-            if rej.type == "run_budget_exceeded":
-                self.outcome = "budget_exceeded"
-            elif rej.type == "idempotency_outcome_unknown":
-                self.outcome = "unknown"
+            self.outcome = rej.outcome
         self.error = rej.message
 
 
