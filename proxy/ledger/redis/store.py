@@ -1,0 +1,150 @@
+"""The Redis ledger's storage primitives, shared by its operations (ledger.py), liveness and
+recovery: read a run with its version, compare-and-set it, compare-and-set one idempotency
+record, list the records. No rule lives here: what to write is decided by the caller (base.py's
+rules); this module only knows where things are (keys.py), how they are encoded (codec.py) and
+which script writes them (scripts.py).
+
+Optimistic concurrency: a write names the version it read; when the run moved meanwhile the
+script writes nothing, and the caller reads again and decides again (`backoff` between tries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import time
+from collections import OrderedDict
+
+import orjson
+import redis.asyncio as aioredis
+
+from proxy.ledger.base import IdempotencyRecord, RunState
+from proxy.ledger.redis.codec import as_bytes, as_text, json_record, json_state, record_json, state_json
+from proxy.ledger.redis.keys import RedisKeys, member
+from proxy.ledger.redis.scripts import Scripts
+
+RUN_CACHE = 10_000  # runs whose last-written version this process remembers
+LIST_BATCH = 500  # records fetched per round trip when listing
+
+
+class Conflict(Exception):
+    """The compare-and-set found the run or record changed since it was read: decide again."""
+
+
+def new_version() -> str:
+    """A run's version token: random, replaced on every write."""
+    return secrets.token_hex(8)
+
+
+async def backoff(attempt: int) -> None:
+    """Between two tries of one operation. Contention on one run (many concurrent calls): back
+    off a little, with jitter."""
+    if attempt > 2:
+        await asyncio.sleep(min(0.002 * attempt, 0.02) * random.random())
+    if attempt > 10000:
+        raise RuntimeError("redis ledger: too many concurrent updates of one run")
+
+
+class RedisStore:
+    """Runs and records in one Redis namespace, with this process's cache of the runs it wrote."""
+
+    def __init__(self, r: aioredis.Redis, keys: RedisKeys, retention_ms: int) -> None:
+        self.r = r
+        self.keys = keys
+        self.scripts = Scripts(r)
+        self.retention_ms = retention_ms
+        self._runs: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    def cached_run(self, run_id: str) -> tuple[str, RunState] | None:
+        """This process's last-written copy of the run and its version, if it has one: a first
+        attempt's guess, which the compare-and-set verifies (a stale guess costs one failed write
+        and a fresh read; a right one saves a round trip)."""
+        hit = self._runs.get(run_id)
+        return (hit[0], json_state(hit[1])) if hit is not None else None
+
+    async def read_run(self, run_id: str, cached: bool = False) -> tuple[str, RunState | None]:
+        """The run and its version ("" and None when there is none). `cached`: `cached_run`'s
+        guess when there is one."""
+        if cached:
+            hit = self.cached_run(run_id)
+            if hit is not None:
+                return hit
+        v, s = await self.r.hmget(self.keys.run(run_id), ["v", "s"])
+        version = as_text(v) if v else ""
+        if not s:
+            return version, None
+        data = as_bytes(s)
+        self.remember(run_id, version, data)
+        return version, json_state(data)
+
+    def remember(self, run_id: str, version: str, state_json: bytes) -> None:
+        runs = self._runs
+        runs[run_id] = (version, state_json)
+        runs.move_to_end(run_id)
+        if len(runs) > RUN_CACHE:
+            runs.popitem(last=False)
+
+    async def cas_run(self, version: str, state: RunState) -> None:
+        """Write `state` if the run still has `version`; `Conflict` otherwise."""
+        version_after, data = new_version(), state_json(state)
+        ok = await self.scripts.save_run(
+            keys=[self.keys.run(state.run_id)], args=[version, data, self.retention_ms, version_after]
+        )
+        if not ok:
+            raise Conflict
+        self.remember(state.run_id, version_after, data)
+
+    # -- idempotency records --------------------------------------------------------------------
+
+    async def get_record(self, run_id: str, key: str) -> IdempotencyRecord | None:
+        meta, body = await self.r.hmget(self.keys.call(run_id, key), ["m", "b"])
+        return json_record(meta, body) if meta else None
+
+    async def write_record(
+        self, expected: str, record: IdempotencyRecord | None, *, delete: tuple[str, str, str] | None = None
+    ) -> bool:
+        """Compare-and-set one record: `record` written if its stored state is still `expected`
+        (or, with `delete=(run_id, key, owner)`, the record deleted)."""
+        if delete is not None:
+            run_id, key, owner = delete
+            new_state, meta, body = "", b"", b""
+        else:
+            assert record is not None
+            run_id, key, owner = record.run_id, record.key, record.owner
+            new_state, meta, body = record.state, record_json(record), record.body
+        k = self.keys
+        return bool(
+            await self.scripts.set_tool(
+                keys=[k.call(run_id, key), k.inflight(owner), k.unknown, k.calls],
+                args=[expected, new_state, meta, body, self.retention_ms, member(run_id, key), time.time()],
+            )
+        )
+
+    async def list_records(
+        self, index: str, state: str | None, run_id: str | None, limit: int
+    ) -> list[IdempotencyRecord]:
+        """The records of `index` (`keys.unknown` or `keys.calls`) in `state` and of `run_id` (None:
+        any), oldest first; members whose record expired are dropped from the index."""
+        out: list[IdempotencyRecord] = []
+        members = [m for m in await self.r.zrange(index, 0, -1) if isinstance(m, bytes)]  # (all are)
+        for i in range(0, len(members), LIST_BATCH):  # one round trip per batch
+            batch = [(raw, *orjson.loads(raw)) for raw in members[i : i + LIST_BATCH]]
+            batch = [b for b in batch if run_id is None or b[1] == run_id]
+            pipe = self.r.pipeline(transaction=False)
+            for _, rid, key in batch:
+                pipe.hmget(self.keys.call(rid, key), ["m", "b"])
+            for (raw, _, _), (meta, body) in zip(batch, await pipe.execute(), strict=True):
+                if meta is None:  # expired
+                    await self.r.zrem(index, raw)
+                    continue
+                record = json_record(meta, body)
+                if state is None or record.state == state:
+                    out.append(record)
+            if len(out) >= limit:
+                break
+        out = out[:limit]
+        out.sort(key=lambda r: r.created_at)
+        return out
