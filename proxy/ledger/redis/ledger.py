@@ -39,7 +39,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 
-import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -76,11 +75,11 @@ from proxy.ledger.base import (
     new_run,
 )
 from proxy.ledger.redis.cancels import cancel_events, publish_cancel
-from proxy.ledger.redis.codec import as_text, json_record, json_state, record_json, state_json
-from proxy.ledger.redis.keys import RedisKeys, member
+from proxy.ledger.redis.codec import as_text
+from proxy.ledger.redis.keys import RedisKeys
 from proxy.ledger.redis.liveness import Liveness
 from proxy.ledger.redis.recovery import Recovery
-from proxy.ledger.redis.store import Conflict, RedisStore, backoff, new_version
+from proxy.ledger.redis.store import Conflict, RedisStore, backoff
 
 log = logging.getLogger("runcap.ledger")
 
@@ -120,7 +119,6 @@ class RedisLedger(Ledger):
         )
         self._keys = RedisKeys(prefix)
         self._store = RedisStore(self._r, self._keys, self.retention_ms)
-        self._scripts = self._store.scripts
         self._liveness = Liveness(
             self._store, self.owner, heartbeat_s=heartbeat_s, heartbeat_ttl_ms=self.heartbeat_ttl_ms
         )
@@ -172,22 +170,12 @@ class RedisLedger(Ledger):
                     await backoff(attempt)
                     continue
                 raise
-            version_after, data = new_version(), state_json(state)
             try:
-                ok = await self._scripts.begin_step(
-                    keys=[self._keys.run(req.run_id), self._keys.reservations(self.owner)],
-                    args=[
-                        version, data, self.retention_ms, version_after, res.id,
-                        orjson.dumps(
-                            [res.run_id, res.usd_nanos, res.input_tokens, res.output_tokens, req.now]
-                        ),
-                    ],
-                )  # fmt: skip
+                ok = await self._store.add_reservation(version, state, res, self.owner, req.now)
             except BaseException:  # also a cancel (timeout): the script may have run
                 self._in_doubt.append(res)
                 raise
             if ok:
-                self._store.remember(req.run_id, version_after, data)
                 self._liveness.live[res.id] = res
                 return res
             attempt += 1
@@ -214,25 +202,10 @@ class RedisLedger(Ledger):
                     state, reservation.usd_nanos, reservation.input_tokens, reservation.output_tokens, now
                 )
             apply_settlement(state, reservation, settlement, now)
-            version_after, data = new_version(), state_json(state)
-            run_key, res_key, swept_key = (
-                self._keys.run(reservation.run_id),
-                self._keys.reservations(self.owner),
-                self._keys.swept(self.owner),
-            )
-            if swept:
-                ok = await self._scripts.move_res(
-                    keys=[run_key, swept_key, res_key],
-                    args=[version, data, self.retention_ms, version_after, reservation.id, ""],
-                )
-            else:
-                ok = await self._scripts.settle(
-                    keys=[run_key, res_key, swept_key],
-                    args=[version, data, self.retention_ms, version_after, reservation.id],
-                )
+            write = self._store.settle_swept if swept else self._store.settle_reservation
+            ok = await write(version, state, reservation.id, self.owner)
             if ok == 1:
                 self._liveness.live.pop(reservation.id, None)
-                self._store.remember(reservation.run_id, version_after, data)
                 if swept:
                     log.warning(
                         "reservation %s of run %s had been charged at its reserved amount by a sweep "
@@ -258,27 +231,26 @@ class RedisLedger(Ledger):
             await backoff(attempt)
 
     async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
-        attempt = 0
-        while True:
-            version, state = await self._store.read_run(run_id, cached=attempt == 0)
+        rejection: Rejection | None = None
+
+        def decide(state: RunState | None) -> RunState:
+            nonlocal rejection
             if state is None:
                 state = new_run(run_id, task, caps, now)
             else:
                 merge_caps(state, task, caps, now)
-            rejection: Rejection | None = None
             try:
                 check_live(state, now)
-            except Rejection as rej:
+                rejection = None
+            except Rejection as rej:  # written too: the run's new status is part of the answer
                 rejection = rej
-            try:
-                await self._store.cas_run(version, state)
-            except Conflict:
-                attempt += 1
-                await backoff(attempt)
-                continue
-            if rejection is not None:
-                raise rejection
             return state
+
+        state = await self._store.update_run(run_id, decide)
+        if rejection is not None:
+            raise rejection
+        assert state is not None
+        return state
 
     async def get_run(self, run_id: str) -> RunState | None:
         return (await self._store.read_run(run_id))[1]
@@ -292,26 +264,22 @@ class RedisLedger(Ledger):
         await self._update(run_id, now, status=status)
 
     async def set_caps(self, run_id: str, change: CapsChange, now: float) -> tuple[RunCaps, RunState] | None:
-        attempt = 0
-        while True:
-            version, state = await self._store.read_run(run_id)
-            if state is None:
-                return None
-            before = state.caps
-            apply_caps_change(state, change, now)
-            try:
-                await self._store.cas_run(version, state)
-                return before, state
-            except Conflict:
-                attempt += 1
-                await backoff(attempt)
+        before = RunCaps()
+
+        def decide(state: RunState | None) -> RunState | None:
+            nonlocal before
+            if state is not None:
+                before = state.caps
+                apply_caps_change(state, change, now)
+            return state
+
+        state = await self._store.update_run(run_id, decide, cached=False)
+        return None if state is None else (before, state)
 
     async def _update(
         self, run_id: str, now: float, *, cancel: bool = False, status: str | None = None
     ) -> RunState:
-        attempt = 0
-        while True:
-            version, state = await self._store.read_run(run_id, cached=attempt == 0)
+        def decide(state: RunState | None) -> RunState:
             state = state or new_run(run_id, "", RunCaps(), now)
             if cancel:
                 state.cancelled = True
@@ -319,18 +287,16 @@ class RedisLedger(Ledger):
             elif status and state.status != "cancelled":
                 state.status = status
             state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
-            try:
-                await self._store.cas_run(version, state)
-                return state
-            except Conflict:
-                attempt += 1
-                await backoff(attempt)
+            return state
+
+        written = await self._store.update_run(run_id, decide)
+        assert written is not None
+        return written
 
     # -- tool calls -----------------------------------------------------------------------------
 
     async def begin_tool_call(self, req: ToolCallRequest) -> ToolCallStart:
         await self._liveness.start()
-        tc_key = self._keys.call(req.run_id, req.key) if req.key is not None else self._keys.no_call
         attempt = 0
         while True:
             hit = self._store.cached_run(req.run_id) if attempt == 0 else None
@@ -339,14 +305,8 @@ class RedisLedger(Ledger):
                 # call, the common case); the compare-and-set checks both guesses.
                 (version, state), record, read_st = hit, None, ""
             else:
-                pipe = self._r.pipeline(transaction=False)
-                pipe.hmget(self._keys.run(req.run_id), ["v", "s"])
-                pipe.hmget(tc_key, ["st", "m", "b"])
-                (v, s), (st, meta, body) = await pipe.execute()
-                version = v.decode() if v else ""
-                state = json_state(s) if s else new_run(req.run_id, req.task, req.caps, req.now)
-                record = json_record(meta, body) if meta else None
-                read_st = st.decode() if st else ""
+                version, read, record, read_st = await self._store.read_call(req.run_id, req.key)
+                state = read or new_run(req.run_id, req.task, req.caps, req.now)
             alive = (
                 record is not None and record.state == IN_FLIGHT and await self._liveness.alive(record.owner)
             )
@@ -362,21 +322,9 @@ class RedisLedger(Ledger):
             elif record is not None and record.state != read_st:  # in flight → unknown
                 written = record
             owner = written.owner if written is not None else self.owner
-            version_after, data = new_version(), state_json(state)
             new_call = written is not None and written.state == IN_FLIGHT and written.owner == self.owner
             try:
-                ok = await self._scripts.begin_tool(
-                    keys=[
-                        self._keys.run(req.run_id), tc_key, self._keys.inflight(owner),
-                        self._keys.unknown, self._keys.calls,
-                    ],
-                    args=[
-                        version, data, self.retention_ms, version_after, read_st,
-                        written.state if written is not None else "",
-                        record_json(written) if written is not None else "",
-                        member(req.run_id, req.key or ""), req.now,
-                    ],
-                )  # fmt: skip
+                ok = await self._store.start_call(version, state, req.key, read_st, written, owner, req.now)
             except BaseException:  # also a cancel (timeout): the script may have run
                 if new_call:
                     assert written is not None
@@ -386,7 +334,6 @@ class RedisLedger(Ledger):
                 attempt += 1
                 await backoff(attempt)
                 continue
-            self._store.remember(req.run_id, version_after, data)
             if rejection is not None:
                 raise rejection
             assert start is not None
@@ -428,8 +375,7 @@ class RedisLedger(Ledger):
     async def list_tool_calls(
         self, state: str | None = None, run_id: str | None = None, limit: int = 1000
     ) -> list[IdempotencyRecord]:
-        index = self._keys.unknown if state == UNKNOWN else self._keys.calls
-        return await self._store.list_records(index, state, run_id, limit)
+        return await self._store.list_records(state, run_id, limit)
 
     async def resolve_tool_call(
         self,
@@ -467,19 +413,14 @@ class RedisLedger(Ledger):
                 return before
 
     async def _refund_tool_call(self, run_id: str, now: float) -> None:
-        attempt = 0
-        while True:
-            version, state = await self._store.read_run(run_id, cached=attempt == 0)
+        def decide(state: RunState | None) -> RunState | None:
             if state is None or state.tool_calls_executed == 0:
-                return
+                return None
             state.tool_calls_executed -= 1
             state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
-            try:
-                await self._store.cas_run(version, state)
-                return
-            except Conflict:
-                attempt += 1
-                await backoff(attempt)
+            return state
+
+        await self._store.update_run(run_id, decide)
 
     # -- faults ---------------------------------------------------------------------------------
 

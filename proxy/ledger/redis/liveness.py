@@ -21,8 +21,7 @@ import time
 import orjson
 
 from proxy.ledger.base import Reservation, apply_unrecovery
-from proxy.ledger.redis.codec import state_json
-from proxy.ledger.redis.store import RedisStore, backoff, new_version
+from proxy.ledger.redis.store import RedisStore, backoff
 
 log = logging.getLogger("runcap.ledger")
 
@@ -100,13 +99,8 @@ class Liveness:
                 if state is None:
                     break
                 apply_unrecovery(state, usd, tin, tout, time.time())
-                version_after, data = new_version(), state_json(state)
-                ok = await store.scripts.move_res(
-                    keys=[keys.run(res.run_id), keys.swept(self.owner), keys.reservations(self.owner)],
-                    args=[version, data, store.retention_ms, version_after, res.id, raw],
-                )
+                ok = await store.take_back_reservation(version, state, res.id, self.owner, raw)
                 if ok == 1:
-                    store.remember(res.run_id, version_after, data)
                     taken += 1
                 if ok != 0:
                     break

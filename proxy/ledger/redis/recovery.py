@@ -22,10 +22,10 @@ import time
 import orjson
 
 from proxy.ledger.base import IN_FLIGHT, UNKNOWN, RecoveredReservation, apply_recovery
-from proxy.ledger.redis.codec import as_text, state_json
+from proxy.ledger.redis.codec import as_text
 from proxy.ledger.redis.keys import RECORD_KEYS_VERSION
 from proxy.ledger.redis.liveness import Liveness
-from proxy.ledger.redis.store import RedisStore, backoff, new_version
+from proxy.ledger.redis.store import RedisStore, backoff
 from proxy.ledger.sweep import DIED, log_recovered, log_turned_unknown
 
 log = logging.getLogger("runcap.ledger")
@@ -119,10 +119,7 @@ class Recovery:
                     break
                 apply_recovery(state, usd, tin, tout, time.time())
                 # Kept in swept:{owner}: an owner taken for dead by mistake takes it back.
-                ok = await store.scripts.move_res(
-                    keys=[keys.run(run_id), keys.reservations(owner), keys.swept(owner)],
-                    args=[version, state_json(state), store.retention_ms, new_version(), rid, raw],
-                )
+                ok = await store.sweep_reservation(version, state, rid, owner, raw)
                 if ok == 1:
                     out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
                 if ok != 0:

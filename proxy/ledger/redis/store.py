@@ -15,11 +15,13 @@ import random
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import orjson
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
-from proxy.ledger.base import IdempotencyRecord, RunState
+from proxy.ledger.base import UNKNOWN, IdempotencyRecord, Reservation, RunState
 from proxy.ledger.redis.codec import as_bytes, as_text, json_record, json_state, record_json, state_json
 from proxy.ledger.redis.keys import RedisKeys, member
 from proxy.ledger.redis.scripts import Scripts
@@ -97,6 +99,130 @@ class RedisStore:
             raise Conflict
         self.remember(state.run_id, version_after, data)
 
+    async def update_run(
+        self, run_id: str, decide: Callable[[RunState | None], RunState | None], *, cached: bool = True
+    ) -> RunState | None:
+        """Read the run, `decide` (base.py's rules: it gets the run as read, None when there is
+        none, and returns the state to write, or None to write nothing), compare-and-set; again
+        from a fresh read while the run moves under it. Returns what was written."""
+        attempt = 0
+        while True:
+            version, state = await self.read_run(run_id, cached=cached and attempt == 0)
+            state = decide(state)
+            if state is None:
+                return None
+            try:
+                await self.cas_run(version, state)
+                return state
+            except Conflict:
+                attempt += 1
+                await backoff(attempt)
+
+    # -- reservations (the run written with them, if it still has `version`) --------------------
+
+    async def add_reservation(
+        self, version: str, state: RunState, res: Reservation, owner: str, now: float
+    ) -> bool:
+        """The run and `res` in `res:{owner}` (made at `now`)."""
+        k, version_after, data = self.keys, new_version(), state_json(state)
+        entry = orjson.dumps([res.run_id, res.usd_nanos, res.input_tokens, res.output_tokens, now])
+        ok = await self.scripts.begin_step(
+            keys=[k.run(state.run_id), k.reservations(owner)],
+            args=[version, data, self.retention_ms, version_after, res.id, entry],
+        )
+        if ok:
+            self.remember(state.run_id, version_after, data)
+        return bool(ok)
+
+    async def settle_reservation(self, version: str, state: RunState, reservation_id: str, owner: str) -> int:
+        """The run, with the reservation dropped from `res:{owner}`. 1: done; 0: the run moved;
+        -1: the reservation is gone (settled already); -2: a sweep charged it (`settle_swept`)."""
+        k = self.keys
+        keys = [k.run(state.run_id), k.reservations(owner), k.swept(owner)]
+        return await self._write_reservation(self.scripts.settle, keys, version, state, reservation_id)
+
+    async def settle_swept(self, version: str, state: RunState, reservation_id: str, owner: str) -> int:
+        """The run, with the reservation dropped from `swept:{owner}`. -1: not there (any more)."""
+        k = self.keys
+        keys = [k.run(state.run_id), k.swept(owner), k.reservations(owner)]
+        return await self._write_reservation(self.scripts.move_res, keys, version, state, reservation_id, "")
+
+    async def sweep_reservation(
+        self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str
+    ) -> int:
+        """The run, with the reservation moved from `res:{owner}` to `swept:{owner}`."""
+        k = self.keys
+        keys = [k.run(state.run_id), k.reservations(owner), k.swept(owner)]
+        return await self._write_reservation(
+            self.scripts.move_res, keys, version, state, reservation_id, entry
+        )
+
+    async def take_back_reservation(
+        self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str
+    ) -> int:
+        """The run, with the reservation moved back from `swept:{owner}` to `res:{owner}`."""
+        k = self.keys
+        keys = [k.run(state.run_id), k.swept(owner), k.reservations(owner)]
+        return await self._write_reservation(
+            self.scripts.move_res, keys, version, state, reservation_id, entry
+        )
+
+    async def _write_reservation(
+        self, script: AsyncScript, keys: list[str], version: str, state: RunState, *args: str | bytes
+    ) -> int:
+        version_after, data = new_version(), state_json(state)
+        ok = int(await script(keys=keys, args=[version, data, self.retention_ms, version_after, *args]))
+        if ok == 1:
+            self.remember(state.run_id, version_after, data)
+        return ok
+
+    # -- a tool call's start --------------------------------------------------------------------
+
+    async def read_call(
+        self, run_id: str, key: str | None
+    ) -> tuple[str, RunState | None, IdempotencyRecord | None, str]:
+        """The run, its version, the call's record and the record's state ("" when none), in one
+        round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hmget(self.keys.run(run_id), ["v", "s"])
+        pipe.hmget(self._call_key(run_id, key), ["st", "m", "b"])
+        (v, s), (st, meta, body) = await pipe.execute()
+        return (
+            v.decode() if v else "",
+            json_state(s) if s else None,
+            json_record(meta, body) if meta else None,
+            st.decode() if st else "",
+        )
+
+    async def start_call(
+        self,
+        version: str,
+        state: RunState,
+        key: str | None,
+        read_st: str,
+        written: IdempotencyRecord | None,
+        owner: str,
+        now: float,
+    ) -> bool:
+        """The run, and the call's record if the decision changed it (`written`: a new in-flight
+        record of `owner`, or one turned unknown), if the record's state is still `read_st`."""
+        k, run_id, version_after, data = self.keys, state.run_id, new_version(), state_json(state)
+        ok = await self.scripts.begin_tool(
+            keys=[k.run(run_id), self._call_key(run_id, key), k.inflight(owner), k.unknown, k.calls],
+            args=[
+                version, data, self.retention_ms, version_after, read_st,
+                written.state if written is not None else "",
+                record_json(written) if written is not None else "",
+                member(run_id, key or ""), now,
+            ],
+        )  # fmt: skip
+        if ok:
+            self.remember(run_id, version_after, data)
+        return bool(ok)
+
+    def _call_key(self, run_id: str, key: str | None) -> str:
+        return self.keys.call(run_id, key) if key is not None else self.keys.no_call
+
     # -- idempotency records --------------------------------------------------------------------
 
     async def get_record(self, run_id: str, key: str) -> IdempotencyRecord | None:
@@ -124,10 +250,11 @@ class RedisStore:
         )
 
     async def list_records(
-        self, index: str, state: str | None, run_id: str | None, limit: int
+        self, state: str | None, run_id: str | None, limit: int
     ) -> list[IdempotencyRecord]:
-        """The records of `index` (`keys.unknown` or `keys.calls`) in `state` and of `run_id` (None:
-        any), oldest first; members whose record expired are dropped from the index."""
+        """The records in `state` and of `run_id` (None: any), oldest first; members of the index
+        read whose record expired are dropped from it."""
+        index = self.keys.unknown if state == UNKNOWN else self.keys.calls
         out: list[IdempotencyRecord] = []
         members = [m for m in await self.r.zrange(index, 0, -1) if isinstance(m, bytes)]  # (all are)
         for i in range(0, len(members), LIST_BATCH):  # one round trip per batch
