@@ -22,12 +22,13 @@ expires after `retention_s` without writes):
 Upgrade: runcap 0.1 kept records under `tc:{run_id}:{key}` (`legacy_call_pattern`), where run `a`
 + key `b:c` and run `a:b` + key `c` collided; recovery moves them (recovery.py).
 
-Redis Cluster: each Lua script (scripts.py) touches several of these keys at once — the run, the
-owner's reservation hash, the call record, the owner's in-flight set and the global indexes — and
-a cluster runs a script only when all its keys share one hash slot. A layout for a cluster is
-therefore a change of this module only: wrap the part that must be co-located in a `{hash tag}`
-(e.g. `run:{<root run id>}:<run id>`) and keep the per-owner and global keys per slot. See the
-report of issue 21 for what the scripts' key lists would need besides.
+Redis Cluster: a script runs there only when all its keys share one hash slot, so a layout for
+a cluster (a run and its sub-runs updated atomically) is a change of the key names here — a
+`{hash tag}` on everything a run tree owns, e.g. `run:{<root run id>}:<run id>` and the same tag
+on its records — plus of the per-owner and global keys the scripts touch in the same call
+(`res:`, `swept:`, `inflight:`, `unknown`, `tcs`): they would become one per tag, with recovery
+and listing finding them through an index written outside the scripts. Every script's key list
+is built in one place (store.py), so this module and that one are what the change touches.
 """
 
 from __future__ import annotations

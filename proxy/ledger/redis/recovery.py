@@ -100,9 +100,7 @@ class Recovery:
         for name, meta in zip(names, await pipe.execute(raise_on_error=False), strict=True):
             if not isinstance(meta, bytes):
                 continue  # expired meanwhile (or not a record)
-            r = orjson.loads(meta)
-            current = store.keys.call(r["run_id"], r["key"])
-            moved += await store.scripts.move_legacy(keys=[name, current], args=[meta]) == 1
+            moved += await store.move_legacy_record(name, meta) == 1
         return moved
 
     async def _settle_owner(self, owner: str) -> list[RecoveredReservation]:

@@ -249,6 +249,15 @@ class RedisStore:
             )
         )
 
+    async def move_legacy_record(self, name: bytes, meta: bytes) -> int:
+        """Move the record runcap 0.1 wrote under `name` (its JSON `meta` as read) to its current
+        key. 1: moved; 2: the current key held a newer copy (the old one is dropped); 0: the old
+        key changed or went since it was read (left alone)."""
+        r = orjson.loads(meta)
+        return int(
+            await self.scripts.move_legacy(keys=[name, self.keys.call(r["run_id"], r["key"])], args=[meta])
+        )
+
     async def list_records(
         self, state: str | None, run_id: str | None, limit: int
     ) -> list[IdempotencyRecord]:
