@@ -143,7 +143,7 @@ async def test_checkpoints_run_off_the_event_loop(tmp_path, monkeypatch):  # typ
     """The request path's connection never checkpoints (it was an fsync on the event loop when a
     commit crossed SQLite's 1,000-page mark); the checkpointer thread copies the WAL into the
     database file on its own connection, and the data is all there after a restart."""
-    import proxy.ledger.sqlite as sqlite_module
+    import proxy.ledger.sqlite.writer as sqlite_module
 
     monkeypatch.setattr(sqlite_module, "CHECKPOINT_INTERVAL_S", 0.05)
     path = tmp_path / "ledger.sqlite3"
