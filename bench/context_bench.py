@@ -31,13 +31,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.app import RUNTIME, build_app
 from proxy.config import build_config
 from proxy.context import ContextSettings, ModelAnswer
 from proxy.context.policy import apply_policies
 from proxy.context.summarize import SummaryCache
 from proxy.providers.openai_chat import ChatCompletionsAdapter
 from proxy.scripted_upstream import ScriptedUpstream
-from proxy.server.app import RUNTIME, build_app
 
 STEPS = 10
 RESULT_BYTES = 20_480

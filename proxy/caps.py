@@ -65,7 +65,7 @@ class RunCaps:
     # run is created, because only the ledger knows when that was.
     timeout_s: float | None = None
     # Cap on ONE step's input tokens (`X-Run-Max-Context-Tokens`), enforced before forwarding by
-    # proxy/server/context.py with each request's own value (header, task, [caps] default and
+    # proxy/server/steps/context.py with each request's own value (header, task, [caps] default and
     # ceiling). A per-step limit, not a budget the run uses up: the ledger does not store it.
     max_context_tokens: int | None = None
 

@@ -225,7 +225,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        from proxy.server.app import serve
+        from proxy.app import serve
 
         serve(config)
         return 0
@@ -377,7 +377,7 @@ def _status_offline(config: Any, args: argparse.Namespace) -> int:
     import asyncio
     import time
 
-    from proxy.server.app import open_ledger
+    from proxy.app import open_ledger
     from proxy.server.ops import run_json
 
     async def read() -> Any:

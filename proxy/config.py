@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from proxy.context import POLICIES, ContextSettings
 from proxy.money import usd_to_nanos
 from proxy.pricing import FEE_SETTINGS, ModelPrice
-from proxy.server.upstream_url import Base
+from proxy.upstream_url import Base
 
 
 def redact_url(url: str) -> str:
@@ -822,7 +822,7 @@ _CONTEXT_INTS = {
 def _context(section: Any, tasks: Mapping[str, TaskCaps]) -> ContextSettings:
     """`[context]`: every key named in a message when it is wrong. `summary_model` is required as
     soon as a task's `context_policy` uses summarize (a request asking for it without one is a 400
-    naming X-Run-Context-Policy, proxy/server/context.py)."""
+    naming X-Run-Context-Policy, proxy/server/steps/context.py)."""
     where = "context"
     if not isinstance(section, dict):
         raise ConfigError("context: expected a table")

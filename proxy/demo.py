@@ -24,9 +24,9 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.app import RUNTIME, build_app
 from proxy.config import build_config
 from proxy.scripted_upstream import ScriptedUpstream
-from proxy.server.app import RUNTIME, build_app
 
 MODEL = "gpt-4o"  # priced by genai-prices: $2.50 / $10 per million input / output tokens
 

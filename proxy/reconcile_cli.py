@@ -103,8 +103,8 @@ def _http(config: Config, args: argparse.Namespace, resolution: dict[str, Any] |
 
 
 async def _direct(config: Config, args: argparse.Namespace, resolution: dict[str, Any] | None) -> Any:
+    from proxy.app import open_ledger
     from proxy.ledger.base import RecordNotUnknown
-    from proxy.server.app import open_ledger
     from proxy.server.reconcile import record_json
 
     ledger = open_ledger(config)

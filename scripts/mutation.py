@@ -60,7 +60,7 @@ TARGETS: dict[str, Target] = {
         what="admin token and client tokens",
     ),
     "url": Target(
-        "proxy/server/upstream_url.py",
+        "proxy/upstream_url.py",
         # (-k also matches module names: every test of test_upstream_url.py is in)
         ("tests/unit/test_upstream_url.py", "tests/app/test_trust_boundary.py", "-k", "url or path or segment"),
         what="the upstream URL builder",
@@ -86,14 +86,14 @@ TARGETS: dict[str, Target] = {
         what="caps, reservations, settlement, recovery, idempotency decisions (Redis runs them too)",
     ),
     "context": Target(
-        "proxy/server/context.py",
+        "proxy/server/steps/context.py",
         # (the span-recording test needs the embedded span store, which mutmut's forked runs lack)
         ("tests/app/test_context_cap_oracle.py", "tests/app/test_context_signal.py", "-k", "not spans_metrics"),
         functions=("x_text_words*", "x__has_unread*", "x_measure*", "xǁContextStepǁrequest*"),
         what="the context step's measure and cap",
     ),
     "budget": Target(
-        "proxy/server/budget.py",
+        "proxy/server/steps/budget.py",
         ("tests/app/test_caps.py",),
         what="the budget step (reserve, clamp, settle, final step)",
     ),
@@ -129,16 +129,16 @@ EQUIVALENT: dict[str, str] = {
     ),
     "proxy.server.auth.x_ensure_admin_token__mutmut_12": "token_urlsafe(None) is its default, 32 bytes",
     # the URL builder
-    "proxy.server.upstream_url.x__check_segment__mutmut_19": 'codec "UTF-8" is "utf-8"',
-    "proxy.server.upstream_url.x_decode_segment__mutmut_9": 'codec "UTF-8" is "utf-8"',
-    "proxy.server.upstream_url.x__check_segment__mutmut_38": (
+    "proxy.upstream_url.x__check_segment__mutmut_19": 'codec "UTF-8" is "utf-8"',
+    "proxy.upstream_url.x_decode_segment__mutmut_9": 'codec "UTF-8" is "utf-8"',
+    "proxy.upstream_url.x__check_segment__mutmut_38": (
         "a dot segment is at most 6 characters (%2e%2e): cut at 60 or 61, the same"
     ),
-    "proxy.server.upstream_url.xǁBaseǁparse__mutmut_14": (
+    "proxy.upstream_url.xǁBaseǁparse__mutmut_14": (
         "decoding the whole path is decoding it segment by segment: no escape contains '/'"
     ),
-    "proxy.server.upstream_url.xǁBaseǁparse__mutmut_9": '"".split("/") is [""], joined back to ""',
-    "proxy.server.upstream_url.xǁBaseǁtarget__mutmut_16": "yarl drops an empty query's bare '?'",
+    "proxy.upstream_url.xǁBaseǁparse__mutmut_9": '"".split("/") is [""], joined back to ""',
+    "proxy.upstream_url.xǁBaseǁtarget__mutmut_16": "yarl drops an empty query's bare '?'",
     # hashing (idempotency)
     "proxy.hashing.x_args_hash__mutmut_10": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',
     "proxy.hashing.x_canonical_json__mutmut_19": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',

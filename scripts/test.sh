@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite, with its own set-up (virtualenv, packages), then lint.
+# The whole test suite, with its own set-up (virtualenv, packages): lint, the import layers,
+# types, then every tier of tests (tests/unit, tests/app, tests/system) on both cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check proxy tests bench examples
+.venv/bin/lint-imports --no-cache   # the import layers (pyproject.toml [tool.importlinter])
+.venv/bin/mypy                      # types on proxy/ (pyproject.toml [tool.mypy])
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

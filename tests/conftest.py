@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.app import RUNTIME, Runtime, build_app
 from proxy.config import build_config
 from proxy.ledger.base import Ledger
 from proxy.scripted_upstream import ScriptedUpstream
-from proxy.server.app import RUNTIME, Runtime, build_app
 from tests.support.processes import stop_process
 
 REPO = Path(__file__).resolve().parent.parent

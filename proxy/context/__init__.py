@@ -18,7 +18,7 @@ hashes, what was removed and the policy.
 
 The policies make model calls of their own (a summary, a `runcap_fetch` continuation): they
 get a `ModelCaller` and know nothing of the server that makes the call — the context step
-(proxy/server/context.py) hands them runcap's inner calls (proxy/server/inner.py).
+(proxy/server/steps/context.py) hands them runcap's inner calls (proxy/server/inner.py).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Rewrite:
 
 @dataclass(slots=True)
 class ContextReading:
-    """What runcap measured of one step's context (proxy/server/context.py), for the response
+    """What runcap measured of one step's context (proxy/server/steps/context.py), for the response
     headers, the cap, the span and /metrics. Token counts are of the request as forwarded."""
 
     # A lower bound of the input tokens (refuse only above it: never a step that fits) and an

@@ -1,7 +1,7 @@
 """`runcap_fetch`: runcap answers the model's reads of offloaded results itself.
 
 When a policy added the fetch tool to a request (`Rewrite.fetch_tool`), the context step
-(proxy/server/context.py, its `answer` hook) hands the upstream's answer to `answer_fetches`
+(proxy/server/steps/context.py, its `answer` hook) hands the upstream's answer to `answer_fetches`
 before the agent sees anything:
 
 * only `runcap_fetch` calls: runcap reads each handle from the results this request had taken

@@ -91,7 +91,7 @@ class RunState:
     # longer change them — an agent resending its original headers must not undo a top-up.
     operator_caps: str = ""
     # Input tokens of the run's first answered model step: the baseline of X-Run-Context-Growth
-    # (proxy/server/context.py), kept here so it survives restarts and is shared by replicas.
+    # (proxy/server/steps/context.py), kept here so it survives restarts and is shared by replicas.
     context_baseline: int = 0
     # Model calls in a row that failed upstream (no answer); 0 after an answered call.
     upstream_failures: int = 0

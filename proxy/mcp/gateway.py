@@ -44,9 +44,9 @@ from proxy.server.flow import Flights
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers
 from proxy.server.metrics import Metrics
 from proxy.server.request_body import read_body
-from proxy.server.upstream_url import remaining_segments
 from proxy.spans.recorder import SpanRecorder
 from proxy.toolcall.route import ToolClient, ToolRoute
+from proxy.upstream_url import remaining_segments
 
 
 class MCPGateway(ToolRoute):

@@ -18,8 +18,8 @@ from proxy.mcp.relay import ANSWER_FAILED, StreamableHTTPRelay
 from proxy.mcp.reply import BatchReply
 from proxy.mcp.wire import dumps
 from proxy.server.outbound import release_or_drop
-from proxy.server.upstream_url import UpstreamTarget
 from proxy.toolcall.clock import deadline_clock
+from proxy.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.mcp")
 

@@ -47,11 +47,11 @@ from proxy.server.flow import Flights
 from proxy.server.headers import response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import release_or_drop
-from proxy.server.upstream_url import UpstreamTarget
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.ledger import ToolCallLedger
 from proxy.toolcall.outcome import ToolResponseTooLarge, read_bounded
 from proxy.toolcall.route import ToolClient
+from proxy.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.mcp")
 

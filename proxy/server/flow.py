@@ -36,7 +36,7 @@ from proxy.errors import Rejection
 from proxy.ledger.base import Reservation, RunState
 from proxy.pricing import Cost
 from proxy.providers.base import Adapter, RequestInfo, ResponseInfo, Usage
-from proxy.server.upstream_url import UpstreamTarget
+from proxy.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.forward")
 
@@ -104,9 +104,9 @@ class Flow:
     # The call runcap made itself on the agent's behalf (a `runcap_fetch` continuation, a
     # summary): a step of the run like any other, but its answer goes back to runcap.
     inner: bool = False
-    # What runcap measured of the request's context (proxy/server/context.py); None: not measured.
+    # What runcap measured of the request's context (proxy/server/steps/context.py); None: not measured.
     context: ContextReading | None = None
-    # Priced or refused (proxy/server/billing.py): the model the call is priced as (the body's,
+    # Priced or refused (proxy/server/steps/billing.py): the model the call is priced as (the body's,
     # or the one a deployment serves), the price variants its options may select, and what the
     # budget step decided and settled beyond tokens, for the span (`attributes`).
     priced_model: str = ""

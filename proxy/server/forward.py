@@ -37,7 +37,7 @@ from proxy.server.headers import response_headers
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import OutboundClient, model_headers, run_deadline
 from proxy.server.request_body import read_body
-from proxy.server.upstream_url import UpstreamTarget
+from proxy.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.forward")
 

@@ -19,7 +19,7 @@ from proxy.money import format_usd
 from proxy.server.auth import AdminGuard
 from proxy.server.flow import Flights
 from proxy.server.metrics import Metrics
-from proxy.server.trace import run_snapshot
+from proxy.server.steps.trace import run_snapshot
 from proxy.spans.control import ShipperClient, ShipperQueryError, ShipperStoreError, ShipperUnavailable
 from proxy.spans.recorder import NullRecorder, SpanRecorder
 

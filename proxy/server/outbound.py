@@ -1,7 +1,8 @@
 """Every call runcap makes to another server leaves through here: model calls and pass-through
-(forward.py), runcap's own model calls within a run (inner.py), tool calls (tools.py) and every
-MCP request (proxy/mcp: the relay's POSTs, GET streams, DELETE and cancel notices in
-`relay.py`, `tools/call` in `tools_call.py`, runcap's own `tools/list` in `listing.py`). What holds for all of them holds because it is written once, here:
+(forward.py), runcap's own model calls within a run (inner.py), tool calls (proxy/tools) and
+every MCP request (proxy/mcp: the relay's POSTs, GET streams, DELETE and cancel notices in
+`relay.py`, `tools/call` in `tools_call.py`, runcap's own `tools/list` in `listing.py`). What
+holds for all of them holds because it is written once, here:
 
 * **No redirect is followed.** `OutboundClient.request` is the only way to send, and it never
   follows one: a 3xx is the server's answer, relayed or recorded as such (a followed 307 would

@@ -10,7 +10,7 @@ from yarl import URL
 
 from proxy.caps import RUN_ID_RE
 from proxy.errors import InvalidRequest
-from proxy.server.upstream_url import decode_segment, remaining_segments
+from proxy.upstream_url import decode_segment, remaining_segments
 
 
 def run_path_request(request: web.Request) -> web.Request:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 import time
 
-from proxy.server.accesslog import log_tool_call
 from proxy.server.metrics import Metrics
-from proxy.server.trace import run_snapshot
+from proxy.server.steps.accesslog import log_tool_call
+from proxy.server.steps.trace import run_snapshot
 from proxy.spans.model import Span
 from proxy.spans.recorder import SpanRecorder
 from proxy.toolcall.call import ToolCall

@@ -291,7 +291,7 @@ async def test_long_conversation_ends_close_to_its_cap(runcap, upstream):  # typ
 def test_conversation_memory_bounds():  # type: ignore[no-untyped-def]
     from proxy.providers.base import Usage
     from proxy.providers.openai_chat import ChatCompletionsAdapter
-    from proxy.server.history import ANSWER_MARGIN, ConversationMemory
+    from proxy.server.steps.history import ANSWER_MARGIN, ConversationMemory
 
     a = ChatCompletionsAdapter()
     memory = ConversationMemory()

@@ -18,7 +18,7 @@ import aiohttp
 from proxy.context import ContextSettings
 from proxy.context.offload import offload
 from proxy.scripted_upstream import ScriptedUpstream
-from proxy.server.context import text_words
+from proxy.server.steps.context import text_words
 from tests.support.context_agents import TOOL, tool_result
 
 PAGE = 8192  # bytes of each tool result in the history; the fetch reads page 0 whole

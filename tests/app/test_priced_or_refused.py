@@ -447,7 +447,7 @@ async def test_fetch_continuations_pass_the_context_cap(
     status, answer = await post(f"{rc.openai_url}/chat/completions", body, h)
     assert status == 402, answer
     assert error_of(answer)["code"] == "max_context_tokens"
-    from proxy.server.context import text_words
+    from proxy.server.steps.context import text_words
 
     sent = [r for r in upstream.requests if r.script == "fetcher"]
     # The continuation that would read over 3,000 words was not sent: each sent call reads fewer.

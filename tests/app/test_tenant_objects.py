@@ -1,5 +1,6 @@
-"""Tenants sharing one provider key do not share the provider's objects (proxy/server/tenant_objects.py),
-and a tenant with a key of its own sends that one (`client_tokens.TENANT.upstream_keys`)."""
+"""Tenants sharing one provider key do not share the provider's objects
+(proxy/server/steps/tenant_objects.py), and a tenant with a key of its own sends that one
+(`client_tokens.TENANT.upstream_keys`)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from proxy.config import CapsConfig, build_config
 from proxy.errors import InvalidRequest
 from proxy.providers.registry import adapter_for, free_endpoint
 from proxy.server.auth import ADMIN_TOKEN_FILE
-from proxy.server.upstream_url import Base, UnsafePath, remaining_segments
+from proxy.upstream_url import Base, UnsafePath, remaining_segments
 from tests.support.tool_service import ToolService
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}

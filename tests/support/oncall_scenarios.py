@@ -101,8 +101,8 @@ class Services:
 
     def start_runcap(self, data_dir: Path, **extra: Any) -> tuple[str, Any]:
         """runcap in this process, on the background loop; returns (url, Runtime)."""
+        from proxy.app import RUNTIME, build_app
         from proxy.config import build_config
-        from proxy.server.app import RUNTIME, build_app
 
         config = build_config(self.config_raw(**extra), {}, listen="127.0.0.1:0", data_dir=str(data_dir))
 

@@ -31,9 +31,9 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from proxy.app import RUNTIME, build_app
 from proxy.queryfiles import bind, list_queries
 from proxy.readcli import AdminSqlReader
-from proxy.server.app import RUNTIME, build_app
 from proxy.spans.clickhouse import QUERY_LIMITS, SpanQueryError, SpanStoreError, open_span_store
 from proxy.spans.clickhouse import _jsonable as jsonable
 from proxy.spans.model import RunSnapshot, Span

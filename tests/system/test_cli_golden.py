@@ -462,10 +462,10 @@ def ledger_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ledger with two tool calls cut after they may have reached the tool."""
     import asyncio
 
+    from proxy.app import open_ledger
     from proxy.caps import RunCaps
     from proxy.config import build_config
     from proxy.ledger.base import ToolCallRequest
-    from proxy.server.app import open_ledger
 
     data = tmp_path_factory.mktemp("golden-ledger")
     config = build_config({}, {}, data_dir=str(data))

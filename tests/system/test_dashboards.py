@@ -20,10 +20,10 @@ import pytest_asyncio
 import yaml
 from aiohttp import web
 
+from proxy.app import RUNTIME, build_app
 from proxy.pricing import PriceBook
 from proxy.providers.base import Usage
 from proxy.scripted_upstream import ScriptedUpstream
-from proxy.server.app import RUNTIME, build_app
 from tests.conftest import FAST_SPANS, REPO, runcap_config
 from tests.support.agent_runs import Fleet, run_fleet
 from tests.support.grafana import ALL, Expander, TimeRange, Variable, shape_problems

@@ -40,10 +40,10 @@ import openai
 import pytest
 from aiohttp import web
 
+from proxy.app import RUNTIME, build_app
 from proxy.money import usd_to_nanos
 from proxy.pricing import PriceBook
 from proxy.scripted_upstream import FALLBACK_TEXT, ScriptedUpstream
-from proxy.server.app import RUNTIME, build_app
 from tests.conftest import FAST_SPANS, REPO, runcap_config
 from tests.support.parts import missing
 

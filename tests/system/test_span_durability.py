@@ -221,7 +221,7 @@ def write_config(path: Path, upstream_url: str, extra: str = "") -> Path:
 IMPORTS = """
 import sys
 from proxy.config import build_config
-from proxy.server.app import build_app
+from proxy.app import build_app
 config = build_config(
     {"log_requests": False, "s3_url": "s3://bucket/p", "otlp_endpoint": "http://127.0.0.1:9"},
     {}, data_dir=sys.argv[1],

@@ -14,12 +14,12 @@ import pytest
 from proxy.config import CapsConfig
 from proxy.context import ContextSettings
 from proxy.errors import BudgetExceeded, DeadlineExceeded, InvalidRequest, Rejection, RunCancelled
-from proxy.server.context import ContextStep
 from proxy.server.flow import Flow, FlowStep, Pipeline
-from proxy.server.history import ConversationMemory
 from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import OutboundClient
+from proxy.server.steps.context import ContextStep
+from proxy.server.steps.history import ConversationMemory
 from tests.support.flows import tflow
 
 

@@ -1,4 +1,4 @@
-"""The URL builder (proxy/server/upstream_url.py) on its own: each refusal with the message that
+"""The URL builder (proxy/upstream_url.py) on its own: each refusal with the message that
 names what was refused (long segments cut at 60 characters), the trailing slash it allows on
 every path, and how a base URL is split and extended. The trust-boundary tests drive it through
 runcap; these pin what the mutation run of issue 28 found them not to (docs/mutation.md)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.server.upstream_url import Base, UnsafePath, decode_segment, remaining_segments
+from proxy.upstream_url import Base, UnsafePath, decode_segment, remaining_segments
 
 LONG = "a" * 70  # longer than the 60 characters a message quotes
 

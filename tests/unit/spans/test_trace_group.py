@@ -15,7 +15,7 @@ from proxy.caps import parse_run_headers
 from proxy.config import DEFAULT_UPSTREAMS, Config
 from proxy.errors import LedgerUnavailable
 from proxy.server.flow import Flow
-from proxy.server.trace import TraceStep
+from proxy.server.steps.trace import TraceStep
 from proxy.spans.payloads import PayloadPolicy
 from proxy.spans.recorder import WalRecorder
 from proxy.spans.wal import WalWriter

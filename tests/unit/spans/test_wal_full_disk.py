@@ -25,8 +25,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.app import RUNTIME, Runtime, build_app
 from proxy.scripted_upstream import ScriptedUpstream
-from proxy.server.app import RUNTIME, Runtime, build_app
 from proxy.spans.wal import read_frames, segment_sealed, segments
 from tests.conftest import runcap_config
 from tests.support.disk import FillingDisk

@@ -32,11 +32,11 @@ from proxy.money import format_usd, usd_to_nanos
 from proxy.pricing import PriceBook, max_output_tokens
 from proxy.providers.base import Usage
 from proxy.providers.registry import free_endpoint
-from proxy.server.billing import quote as billing_quote
-from proxy.server.billing import settle_price
 from proxy.server.flow import Flow, FlowStep
-from proxy.server.history import ConversationMemory
 from proxy.server.metrics import Metrics
+from proxy.server.steps.billing import quote as billing_quote
+from proxy.server.steps.billing import settle_price
+from proxy.server.steps.history import ConversationMemory
 
 log = logging.getLogger("runcap.budget")
 
@@ -327,7 +327,7 @@ class BudgetStep(FlowStep):
             # event after the stop reason (the answer reached the agent; only usage is unsure).
             finished=bool(info and info.finished and flow.outcome in ("ok", "incomplete")),
             run_status=status,
-            # The provider's count of this step's context (proxy/server/context.py): the run's
+            # The provider's count of this step's context (proxy/server/steps/context.py): the run's
             # first one is the baseline of its growth.
             context_tokens=flow.context.tokens if flow.context is not None else 0,
             no_answer=no_answer,

@@ -54,13 +54,13 @@ from proxy.ledger.base import IdempotencyRecord, RunState, ToolCallRequest
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
 from proxy.server.outbound import release_or_drop
 from proxy.server.request_body import read_body
-from proxy.server.upstream_url import UpstreamTarget, remaining_segments
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.keys import key_args
 from proxy.toolcall.outcome import ToolResponseTooLarge, never_left, read_bounded
 from proxy.toolcall.route import ToolRoute
 from proxy.toolcall.span import record_tool_call
+from proxy.upstream_url import UpstreamTarget, remaining_segments
 
 log = logging.getLogger("runcap.tools")
 

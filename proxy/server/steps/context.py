@@ -12,7 +12,7 @@ For every call to chat/completions, responses or messages — the agent's, and r
 3. a step whose LOWER bound is above `X-Run-Max-Context-Tokens` is refused (402
    `max_context_tokens`), so no step that fits is ever refused;
 4. the answer carries `X-Run-Context-Tokens` and `X-Run-Context-Growth`, and the reading goes on
-   the span (proxy/server/trace.py) and to /metrics;
+   the span (proxy/server/steps/trace.py) and to /metrics;
 5. when `offload` added `runcap_fetch` to the agent's call, its `answer` hook runs the fetch loop
    (proxy/context/fetch.py): runcap answers the model's fetches itself, continuing with the
    upstream through runcap's own calls (server/inner.py), and the agent gets only the final
@@ -54,9 +54,9 @@ from proxy.context.stream import sse_answer
 from proxy.context.summarize import SummaryCache
 from proxy.errors import BudgetExceeded, InvalidRequest
 from proxy.server.flow import Flow, FlowStep
-from proxy.server.history import ConversationMemory
 from proxy.server.inner import InnerCalls
 from proxy.server.metrics import Metrics
+from proxy.server.steps.history import ConversationMemory
 
 log = logging.getLogger("runcap.context")
 

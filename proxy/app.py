@@ -28,13 +28,10 @@ from proxy.ledger.guarded import GuardedLedger, guarded
 from proxy.ledger.sqlite import SQLiteLedger
 from proxy.mcp.gateway import MCPGateway
 from proxy.pricing import PriceBook
-from proxy.server.accesslog import AccessLogStep
 from proxy.server.auth import AdminGuard, ClientAuth, ensure_admin_token
-from proxy.server.budget import BudgetStep, pricing_provider
 from proxy.server.cancel import CancelPropagation
 from proxy.server.connections import ConnectionGuard, ConnectionLimits
 from proxy.server.connections import run_app as run_guarded
-from proxy.server.context import ContextStep
 from proxy.server.data_dir import make_private
 from proxy.server.flow import Flights, Flow, Pipeline
 from proxy.server.forward import Forwarder
@@ -45,16 +42,19 @@ from proxy.server.ops import OpsRoutes
 from proxy.server.outbound import OutboundClient
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
-from proxy.server.tenant_objects import TenantObjects
-from proxy.server.tools import ToolGateway
+from proxy.server.steps.accesslog import AccessLogStep
+from proxy.server.steps.budget import BudgetStep, pricing_provider
+from proxy.server.steps.context import ContextStep
+from proxy.server.steps.tenant_objects import TenantObjects
+from proxy.server.steps.trace import TraceStep
 from proxy.server.topup import RunCapsAdmin
-from proxy.server.trace import TraceStep
-from proxy.server.upstream_url import UnsafePath, decode_segment, remaining_segments
 from proxy.server.worker_metrics import WorkerSiblings
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
 from proxy.spans.supervisor import ShipperSupervisor, die_with_parent
 from proxy.toolcall.route import ToolClient
+from proxy.tools.gateway import ToolGateway
+from proxy.upstream_url import UnsafePath, decode_segment, remaining_segments
 
 log = logging.getLogger("runcap.server")
 

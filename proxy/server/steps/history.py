@@ -117,7 +117,7 @@ class ConversationMemory:
         """(the previous call's exact input tokens, how many history items it sent) when this
         request extends that call's history (same context, same first items); else None. The
         exact part of a lower bound: what the provider counted for that prefix last time
-        (proxy/server/context.py)."""
+        (proxy/server/steps/context.py)."""
         last = self._extended(run_id, info)
         return None if last is None else (last.input_tokens, len(last.items))
 
