@@ -15,23 +15,20 @@ from proxy.config import (
     ConnectionSettings,
     LedgerSettings,
     LocalSettings,
+    MCPServerConfig,
+    MCPToolConfig,
     MetricsSettings,
     SpanSettings,
     TaskCaps,
+    ToolConfig,
     build_config,
 )
 from proxy.config.declare import declared, key_of
 from proxy.config.reference import DOC, generate, render
 
 SECTIONS = (
-    Config,
-    ConnectionSettings,
-    LedgerSettings,
-    SpanSettings,
-    CapsConfig,
-    TaskCaps,
-    LocalSettings,
-    MetricsSettings,
+    *(Config, ConnectionSettings, LedgerSettings, SpanSettings, CapsConfig, TaskCaps, LocalSettings),
+    *(MetricsSettings, ToolConfig, MCPServerConfig, MCPToolConfig),
 )
 TOP_LEVEL = (Config, ConnectionSettings, LedgerSettings, SpanSettings)
 
@@ -85,6 +82,14 @@ def test_writing_every_default_into_the_file_changes_nothing() -> None:
         (
             {"metrics": {"tokn": "x"}},
             "metrics.tokn: unknown setting (known: model_labels, require_token, token)",
+        ),
+        (
+            {"tools": {"t": {"url": "http://t", "keyfields": []}}},
+            "tools.t.keyfields: unknown setting (known: ",
+        ),
+        (
+            {"mcp": {"m": {"url": "http://m", "tools": {"t": {"deny": []}}}}},
+            "mcp.m.tools.t.deny: unknown setting",
         ),
         (
             {"tasks": {"t": {"max_usd_nanos": 1}}},
@@ -146,6 +151,26 @@ def test_a_message_names_where_the_value_came_from() -> None:
         ),
         ({"caps": {"default_max_usd": "lots"}}, "caps.default_max_usd: expected a number, got 'lots'"),
         ({"local": {"allowed_hosts": ["a/b"]}}, "local.allowed_hosts: 'a/b' is not a host name"),
+        (
+            {"tools": {"t": {"url": "http://t", "key_fields": "id"}}},
+            "tools.t.key_fields: expected a list of field names",
+        ),
+        (
+            {"mcp": {"m": {"url": "http://m", "headers": {"a": 1}}}},
+            'mcp.m.headers: expected a table of header = "value"',
+        ),
+        (
+            {"upstreams": {"u": {"url": "http://u", "service_tier": "fast"}}},
+            "upstreams.u.service_tier: expected one of default, flex, priority, auto (the tier a request",
+        ),
+        (
+            {"upstreams": {"u": {"url": "http://u", "passthrough_allow": ["v1"]}}},
+            "upstreams.u.passthrough_allow: 'v1' must be an upstream path",
+        ),
+        (
+            {"upstreams": {"u": {"url": "http://u", "deployments": {"a": ""}}}},
+            'upstreams.u.deployments: expected a table of deployment name = "model it serves"',
+        ),
     ],
 )
 def test_bounds_come_from_the_declaration(raw: dict[str, object], message: str) -> None:
@@ -175,3 +200,25 @@ def test_values_in_bounds_land_in_their_section() -> None:
     assert config.caps.tasks["t"] == TaskCaps(max_usd_nanos=1_000_000_000, context_policy=("offload",))
     assert config.metrics == MetricsSettings(require_token=True, token="m" * 32, model_labels="all")
     assert config.local.allowed_hosts == ("runcap.internal",)
+
+
+def test_an_upstream_s_declared_defaults_follow_its_name() -> None:
+    config = build_config({"upstreams": {"anthropic": {}, "local": {"url": "http://127.0.0.1:8000"}}}, {})
+    assert (
+        config.upstreams["anthropic"].flavor == "anthropic" and config.upstreams["local"].flavor == "openai"
+    )
+    assert config.upstreams["local"].service_tier == "default" and config.upstreams["local"].deployments == {}
+
+
+def test_tools_and_mcp_servers_are_read_by_their_declarations() -> None:
+    config = build_config(
+        {
+            "tools": {"t": {"url": "http://t/", "forward_headers": ["Authorization"], "timeout_s": 3}},
+            "mcp": {"m": {"url": "http://m", "deny": ["drop"], "tools": {"x": {"side_effects": False}}}},
+        },
+        {},
+    )
+    assert config.tools["t"] == ToolConfig("t", "http://t", forward_headers=("authorization",), timeout_s=3.0)
+    assert config.mcp["m"] == MCPServerConfig(
+        "m", "http://m", deny=("drop",), tools={"x": MCPToolConfig("x", side_effects=False)}
+    )

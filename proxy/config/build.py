@@ -30,7 +30,6 @@ from proxy.config.declare import (
     read_section,
 )
 from proxy.config.sections import (
-    FLAVORS,
     MIN_ADMIN_TOKEN_CHARS,
     CapsConfig,
     Config,
@@ -158,7 +157,7 @@ def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     section = raw.get(key, {})
     if not isinstance(section, dict):
         raise ConfigError(f"{key}: expected a table")
-    cls = {"local": LocalSettings, "metrics": MetricsSettings, "caps": CapsConfig}[key]
+    cls = {"local": LocalSettings, "metrics": MetricsSettings}[key]
     check_known(section, key, known_keys(cls))
     return section
 
@@ -257,11 +256,6 @@ def _str(section: Mapping[str, Any], where: str, key: str, default: str | None =
     return default if value is None else parse_value(Setting(""), str, value, join(where, key))
 
 
-def _bool(section: Mapping[str, Any], where: str, key: str, default: bool | None = None) -> Any:
-    value = section.get(key)
-    return default if value is None else parse_value(Setting(""), bool, value, join(where, key))
-
-
 def _int(
     section: Mapping[str, Any], where: str, key: str, *, minimum: int = 0, default: int | None = None
 ) -> Any:
@@ -278,32 +272,17 @@ def _number(section: Mapping[str, Any], where: str, key: str, *, positive: bool 
     return parse_decimal(Setting("", above=0) if positive else Setting(""), value, join(where, key))
 
 
-def _str_list(section: Mapping[str, Any], where: str, key: str) -> tuple[str, ...]:
-    value = section.get(key, [])
-    result: tuple[str, ...] = parse_value(Setting(""), tuple[str, ...], value, join(where, key))
-    return result
-
-
-def _check_url(url: Any, setting: str, schemes: tuple[str, ...]) -> None:
-    check_url(url, setting, schemes)
-
-
-_UPSTREAM_KEYS = {
-    "url", "flavor", "api_key_env", "output_limit_field", "passthrough_allow", "deployments", "service_tier",
-}  # fmt: skip
-
-
 def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> UpstreamConfig:
     where = f"upstreams.{name}"
-    check_known(section, where, _UPSTREAM_KEYS)
+    check_known(section, where, {"url", "api_key_env", "output_limit_field"} | known_keys(UpstreamConfig))
+    builtin = DEFAULT_UPSTREAMS.get(name)
     url = _str(section, where, "url")
     if not url:
-        if name in DEFAULT_UPSTREAMS:
-            url = DEFAULT_UPSTREAMS[name].url
-        else:
+        if builtin is None:
             raise ConfigError(f"{where}.url: required")
-    _check_url(url, f"{where}.url", ("http", "https"))
-    if name in DEFAULT_UPSTREAMS and url.rstrip("/").endswith("/v1"):
+        url = builtin.url
+    check_url(url, f"{where}.url", ("http", "https"))
+    if builtin is not None and url.rstrip("/").endswith("/v1"):
         # The usual SDK base URL (https://api.openai.com/v1): runcap's /v1/... routes already
         # send /v1, so keeping it would make every call a 404 for /v1/v1/...
         fixed = url.rstrip("/")[: -len("/v1")]
@@ -311,10 +290,9 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
             "%s.url: %r ends with /v1, which runcap's routes add themselves; using %r", where, url, fixed
         )
         url = fixed
-    default_flavor = DEFAULT_UPSTREAMS[name].flavor if name in DEFAULT_UPSTREAMS else "openai"
-    flavor = _str(section, where, "flavor", default_flavor)
-    if flavor not in FLAVORS:
-        raise ConfigError(f"{where}.flavor: expected one of {', '.join(FLAVORS)}, got {flavor!r}")
+    settings = read_section(
+        UpstreamConfig, section, where, defaults={"flavor": builtin.flavor} if builtin else None
+    )
     api_key = None
     key_env = _str(section, where, "api_key_env")
     if key_env:
@@ -328,58 +306,23 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
         raise ConfigError(
             f"{where}.output_limit_field: expected max_tokens or max_completion_tokens, got {field_name!r}"
         )
-    allow = _str_list(section, where, "passthrough_allow")
-    for entry in allow:
-        if not entry.startswith("/"):
-            raise ConfigError(
-                f'{where}.passthrough_allow: {entry!r} must be an upstream path like "/v1/files"'
-            )
-    deployments = section.get("deployments", {})
-    if not isinstance(deployments, Mapping) or not all(
-        isinstance(k, str) and k and isinstance(v, str) and v for k, v in deployments.items()
-    ):
-        raise ConfigError(
-            f'{where}.deployments: expected a table of deployment name = "model it serves", '
-            f'e.g. deployments = {{ "my-o1" = "o1" }}'
-        )
-    tier = _str(section, where, "service_tier", "default")
-    if tier not in ("default", "flex", "priority", "auto"):
-        raise ConfigError(
-            f"{where}.service_tier: expected default, flex, priority or auto (the tier a request "
-            f"without service_tier is served at), got {tier!r}"
-        )
     return UpstreamConfig(
-        name, url.rstrip("/"), flavor, api_key, field_name == "max_tokens", allow, dict(deployments), tier
+        name=name,
+        url=url.rstrip("/"),
+        api_key=api_key,
+        legacy_output_limit=field_name == "max_tokens",
+        **settings,
     )
 
 
 def _tool(name: str, section: Mapping[str, Any]) -> ToolConfig:
     where = f"tools.{name}"
-    check_known(
-        section, where, {"url", "side_effects", "key_fields", "timeout_s", "headers", "forward_headers"}
-    )
+    check_known(section, where, {"url"} | known_keys(ToolConfig))
     url = _str(section, where, "url")
     if not url:
         raise ConfigError(f"{where}.url: required")
-    _check_url(url, f"{where}.url", ("http", "https"))
-    key_fields = section.get("key_fields")
-    if key_fields is not None and (
-        not isinstance(key_fields, list) or not all(isinstance(k, str) and k for k in key_fields)
-    ):
-        raise ConfigError(f"{where}.key_fields: expected a list of field names")
-    timeout = _number(section, where, "timeout_s", positive=True)
-    headers = section.get("headers", {})
-    if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
-        raise ConfigError(f'{where}.headers: expected a table of header = "value"')
-    return ToolConfig(
-        name=name,
-        url=url.rstrip("/"),
-        side_effects=_bool(section, where, "side_effects"),
-        key_fields=tuple(key_fields) if key_fields is not None else None,
-        timeout_s=float(timeout) if timeout is not None else None,
-        headers=dict(headers),
-        forward_headers=tuple(h.lower() for h in _str_list(section, where, "forward_headers")),
-    )
+    check_url(url, f"{where}.url", ("http", "https"))
+    return ToolConfig(name=name, url=url.rstrip("/"), **read_section(ToolConfig, section, where))
 
 
 _TENANT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -533,15 +476,12 @@ def _price(model: str, section: Mapping[str, Any]) -> ModelPrice:
 
 def _mcp_server(name: str, section: Mapping[str, Any]) -> MCPServerConfig:
     where = f"mcp.{name}"
-    check_known(section, where, {"url", "headers", "forward_headers", "timeout_s", "deny", "tools"})
+    check_known(section, where, {"url", "tools"} | known_keys(MCPServerConfig))
     url = _str(section, where, "url")
     if not url:
         raise ConfigError(f"{where}.url: required (the server's Streamable HTTP endpoint)")
-    _check_url(url, f"{where}.url", ("http", "https"))
-    headers = section.get("headers", {})
-    if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
-        raise ConfigError(f'{where}.headers: expected a table of header = "value"')
-    timeout = _number(section, where, "timeout_s", positive=True)
+    check_url(url, f"{where}.url", ("http", "https"))
+    settings = read_section(MCPServerConfig, section, where)
     tools = {}
     table = section.get("tools", {})
     if not isinstance(table, dict):
@@ -550,29 +490,9 @@ def _mcp_server(name: str, section: Mapping[str, Any]) -> MCPServerConfig:
         if not isinstance(tool_section, dict):
             raise ConfigError(f"{where}.tools.{tool}: expected a table")
         tools[tool] = _mcp_tool(f"{where}.tools.{tool}", tool, tool_section)
-    return MCPServerConfig(
-        name=name,
-        url=url.rstrip("/"),
-        headers=dict(headers),
-        forward_headers=tuple(h.lower() for h in _str_list(section, where, "forward_headers")),
-        timeout_s=float(timeout) if timeout is not None else None,
-        deny=_str_list(section, where, "deny"),
-        tools=tools,
-    )
+    return MCPServerConfig(name=name, url=url.rstrip("/"), **settings, tools=tools)
 
 
 def _mcp_tool(where: str, name: str, section: Mapping[str, Any]) -> MCPToolConfig:
-    check_known(section, where, {"side_effects", "key_fields", "timeout_s", "max_calls_per_run"})
-    key_fields = section.get("key_fields")
-    if key_fields is not None and (
-        not isinstance(key_fields, list) or not all(isinstance(k, str) and k for k in key_fields)
-    ):
-        raise ConfigError(f"{where}.key_fields: expected a list of argument names")
-    timeout = _number(section, where, "timeout_s", positive=True)
-    return MCPToolConfig(
-        name=name,
-        side_effects=_bool(section, where, "side_effects"),
-        key_fields=tuple(key_fields) if key_fields is not None else None,
-        timeout_s=float(timeout) if timeout is not None else None,
-        max_calls_per_run=_int(section, where, "max_calls_per_run", minimum=1),
-    )
+    check_known(section, where, known_keys(MCPToolConfig))
+    return MCPToolConfig(name=name, **read_section(MCPToolConfig, section, where))

@@ -48,12 +48,15 @@ class Setting:
     choices: tuple[str, ...] = ()
     schemes: tuple[str, ...] = ()  # a URL of one of these schemes
     usd: bool = False  # dollars in the TOML, nano-dollars in the field
+    items: str = "strings"  # what a list or a table holds, for messages ("field names")
     check: Callable[[Any, str], Any] | None = None  # last check or conversion: (value, name) → value
     shown: str | None = None  # the default as the reference shows it (when not the value itself)
 
 
-def setting(default: Any, doc: str, **options: Any) -> Any:
-    """A dataclass field that is a setting: `default`, then the documentation line."""
+def setting(default: Any, doc: str, *, factory: Callable[[], Any] | None = None, **options: Any) -> Any:
+    """A dataclass field that is a setting: `default` (or `factory`), then the documentation line."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={_META: Setting(doc, **options)})
     return field(default=default, metadata={_META: Setting(doc, **options)})
 
 
@@ -138,14 +141,19 @@ def parse_value(s: Setting, hint: Any, value: Any, name: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{name}: expected a string, got {value!r}")
         if s.choices and value not in s.choices:
-            raise ConfigError(f"{name}: expected one of {', '.join(s.choices)}, got {value!r}")
+            why = f" ({s.why})" if s.why else ""
+            raise ConfigError(f"{name}: expected one of {', '.join(s.choices)}{why}, got {value!r}")
         if s.schemes:
             check_url(value, name, s.schemes)
         parsed = Path(value) if kind is Path else value
     elif kind is tuple:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{name}: expected a list of strings")
+            raise ConfigError(f"{name}: expected a list of {s.items}")
         parsed = tuple(value)
+    elif kind is Mapping:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(f"{name}: expected a table of {s.items}")
+        parsed = dict(value)
     else:  # pragma: no cover - a declaration error, caught by tests/test_config_declared.py
         raise TypeError(f"{name}: no parser for settings of type {hint!r}")
     return s.check(parsed, name) if s.check else parsed
@@ -222,7 +230,9 @@ def _values(s: Setting, hint: Any) -> str:
     if kind is bool:
         return "`true`, `false`"
     if kind is tuple:
-        return "list of strings"
+        return f"list of {s.items}"
+    if kind is Mapping:
+        return f"table of {s.items}"
     if kind is int and not s.usd:
         least = int(s.minimum or 0)
         return f"{least} to {s.maximum:g}" if s.maximum is not None else f"≥ {least}"
@@ -235,7 +245,7 @@ def _values(s: Setting, hint: Any) -> str:
 
 
 def _shown(value: Any, s: Setting) -> str:
-    if value is None or value == ():
+    if value is None or value == () or value == {}:
         return "—"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"

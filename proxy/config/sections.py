@@ -308,53 +308,112 @@ class Endpoint:
         return redact_url(self.url)
 
 
+def _paths(paths: tuple[str, ...], name: str) -> tuple[str, ...]:
+    for entry in paths:
+        if not entry.startswith("/"):
+            raise ConfigError(f'{name}: {entry!r} must be an upstream path like "/v1/files"')
+    return paths
+
+
+_DEPLOYMENTS = 'deployment name = "model it serves", e.g. deployments = { "my-o1" = "o1" }'
+
+
+def _deployments(table: Mapping[str, str], name: str) -> Mapping[str, str]:
+    if not all(k and v for k, v in table.items()):
+        raise ConfigError(f"{name}: expected a table of {_DEPLOYMENTS}")
+    return table
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamConfig(Endpoint):
-    flavor: str  # wire format family: "openai" (and OpenAI-compatible) or "anthropic"
+    """`[upstreams.NAME]`: a model provider (`openai`, `anthropic` built in; others at /u/NAME/)."""
+
+    TABLE: ClassVar[str] = "upstreams.NAME"
+    flavor: str = setting(
+        "openai", "wire format family: OpenAI (and OpenAI-compatible servers) or Anthropic", choices=FLAVORS,
+        shown="`anthropic` on `anthropic`, else `openai`",
+    )  # fmt: skip
     api_key: str | None = None  # resolved from api_key_env; replaces the agent's credentials
     # Write `max_tokens` rather than `max_completion_tokens` when runcap sets an output limit the
     # client did not: OpenAI-compatible servers (vLLM, Ollama, ...) know the older field.
     legacy_output_limit: bool = False
-    # Endpoints (decoded upstream paths, `*` = one segment) that may be POSTed unmetered while a
-    # run has a dollar or token cap: the operator vouches that they cost nothing.
-    passthrough_allow: tuple[str, ...] = ()
-    # Routes whose model is not in the body (`/openai/deployments/{name}/...`, Azure-style):
-    # deployment name -> the model it serves, which the call is priced as.
-    deployments: Mapping[str, str] = field(default_factory=dict)
-    # The OpenAI service tier a request without `service_tier` is served at (the project's
-    # default, "default" unless configured otherwise at the provider).
-    service_tier: str = "default"
+    passthrough_allow: tuple[str, ...] = setting(
+        (), "endpoints (decoded upstream paths, `*` = one segment) that may be POSTed unmetered while a "
+        "run has a dollar or token cap: the operator vouches that they cost nothing",
+        items="upstream paths", check=_paths,
+    )  # fmt: skip
+    deployments: Mapping[str, str] = setting(
+        None, "for Azure-style `/openai/deployments/{name}/...` routes, whose model is not in the body: "
+        "each deployment's model, which its calls are priced as (an undeclared deployment is refused "
+        "under a dollar cap)", factory=dict, items=_DEPLOYMENTS, check=_deployments,
+    )  # fmt: skip
+    service_tier: str = setting(
+        "default", "the OpenAI tier a request without `service_tier` is served at — your project's "
+        "default; `auto` reserves at the dearest", choices=("default", "flex", "priority", "auto"),
+        why="the tier a request without service_tier is served at",
+    )  # fmt: skip
+
+
+def _lower(names: tuple[str, ...], _name: str) -> tuple[str, ...]:
+    return tuple(n.lower() for n in names)
 
 
 @dataclass(frozen=True, slots=True)
 class ToolConfig(Endpoint):
-    side_effects: bool | None = None  # None: by method (POST/PUT/PATCH/DELETE have side effects)
-    key_fields: tuple[str, ...] | None = None
-    timeout_s: float | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
-    # Agent headers this tool may receive although they are credentials (lower-case names).
-    forward_headers: tuple[str, ...] = ()
+    """`[tools.NAME]`: a tool service at /tools/NAME (`url` is required)."""
+
+    TABLE: ClassVar[str] = "tools.NAME"
+    side_effects: bool | None = setting(
+        None, "calls have side effects (idempotency protection)", shown="by method: POST, PUT, PATCH, DELETE"
+    )
+    key_fields: tuple[str, ...] | None = setting(
+        None,
+        "the body fields the idempotency key is derived from",
+        items="field names",
+        shown="the whole body",
+    )
+    timeout_s: float | None = setting(None, "each call's own limit (the run's deadline applies too)", above=0)
+    headers: Mapping[str, str] = setting(
+        None, "added to every request to the tool", factory=dict, items='header = "value"'
+    )
+    forward_headers: tuple[str, ...] = setting(
+        (), "agent headers the tool may receive although they are credentials", check=_lower
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class MCPToolConfig:
     """`[mcp.NAME.tools.TOOL]`: what the operator says about one tool, over its annotations."""
 
+    TABLE: ClassVar[str] = "mcp.NAME.tools.TOOL"
     name: str
-    side_effects: bool | None = None  # None: from tools/list (`readOnlyHint`; absent = side effects)
-    key_fields: tuple[str, ...] | None = None
-    timeout_s: float | None = None
-    max_calls_per_run: int | None = None
+    side_effects: bool | None = setting(
+        None, "calls have side effects", shown="from tools/list: unless `readOnlyHint: true`"
+    )
+    key_fields: tuple[str, ...] | None = setting(
+        None, "the arguments the idempotency key is derived from", items="argument names",
+        shown="all arguments",
+    )  # fmt: skip
+    timeout_s: float | None = setting(None, "each call's own limit (the run's deadline applies too)", above=0)
+    max_calls_per_run: int | None = setting(None, "calls of this tool one run may make", minimum=1)
 
 
 @dataclass(frozen=True, slots=True)
-class MCPServerConfig(Endpoint):  # url: the server's Streamable HTTP endpoint
-    headers: Mapping[str, str] = field(default_factory=dict)  # added to every request
-    # Agent headers this server may receive although they are credentials (lower-case names).
-    forward_headers: tuple[str, ...] = ()
-    timeout_s: float | None = None  # each tools/call's own limit (the run's deadline applies too)
-    deny: tuple[str, ...] = ()  # hidden from tools/list, refused on call
-    tools: Mapping[str, MCPToolConfig] = field(default_factory=dict)
+class MCPServerConfig(Endpoint):
+    """`[mcp.NAME]`: an MCP server at /mcp/NAME (`url`, its Streamable HTTP endpoint, is required)."""
+
+    TABLE: ClassVar[str] = "mcp.NAME"
+    headers: Mapping[str, str] = setting(
+        None, "added to every request to the server", factory=dict, items='header = "value"'
+    )
+    forward_headers: tuple[str, ...] = setting(
+        (), "agent headers the server may receive although they are credentials", check=_lower
+    )
+    timeout_s: float | None = setting(
+        None, "each `tools/call`'s own limit (the run's deadline applies too)", above=0
+    )
+    deny: tuple[str, ...] = setting((), "tools hidden from `tools/list` and refused on call")
+    tools: Mapping[str, MCPToolConfig] = field(default_factory=dict)  # [mcp.NAME.tools.TOOL]
 
     def tool(self, name: str) -> MCPToolConfig | None:
         return self.tools.get(name)
