@@ -177,8 +177,10 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
         try:
             return _open_reader(config, url, data_dir_given)
         except ReadError as e:
-            starting = isinstance(e, StoreUnreachable) or "span_store_unavailable" in str(e) or (
-                "shipper" in str(e) and "HTTP 503" in str(e)
+            starting = (
+                isinstance(e, StoreUnreachable)
+                or "span_store_unavailable" in str(e)
+                or ("shipper" in str(e) and "HTTP 503" in str(e))
             )
             if url or not starting or time.monotonic() > deadline or not serve_running(config.data_dir):
                 raise
@@ -219,6 +221,7 @@ def _open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reade
 
 
 # -- commands -------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TableView:
