@@ -30,7 +30,7 @@ from proxy.mcp.gateway import MCPGateway
 from proxy.pricing import PriceBook
 from proxy.server.auth import AdminGuard, ClientAuth, ensure_admin_token
 from proxy.server.cancel import CancelPropagation
-from proxy.server.connections import ConnectionGuard, ConnectionLimits
+from proxy.server.connections import ConnectionGuard
 from proxy.server.connections import run_app as run_guarded
 from proxy.server.data_dir import make_private
 from proxy.server.flow import Flights, Flow, Pipeline
@@ -84,23 +84,24 @@ def open_ledger(config: Config) -> GuardedLedger:
     """The configured backend, guarded: each operation bounded by `ledger_timeout_s`, and an
     unavailable backend a 503 `ledger_unavailable` (proxy/ledger/guarded.py)."""
     backend: Ledger
-    if config.redis_url:
+    settings = config.ledger
+    if settings.redis_url:
         from proxy.ledger.redis import RedisLedger
 
         backend = RedisLedger(
-            config.redis_url,
-            retention_s=config.ledger_retention_s,
-            heartbeat_s=config.redis_heartbeat_s,
-            heartbeat_ttl_s=config.redis_heartbeat_ttl_s,
-            op_timeout_s=config.ledger_timeout_s,
+            settings.redis_url,
+            retention_s=settings.ledger_retention_s,
+            heartbeat_s=settings.redis_heartbeat_s,
+            heartbeat_ttl_s=settings.redis_heartbeat_ttl_s,
+            op_timeout_s=settings.ledger_timeout_s,
         )
     else:
         backend = SQLiteLedger(
             config.data_dir / "ledger.sqlite3",
-            retention_s=config.ledger_retention_s,
-            busy_timeout_s=config.ledger_timeout_s,
+            retention_s=settings.ledger_retention_s,
+            busy_timeout_s=settings.ledger_timeout_s,
         )
-    return GuardedLedger(backend, timeout_s=config.ledger_timeout_s)
+    return GuardedLedger(backend, timeout_s=settings.ledger_timeout_s)
 
 
 def build_app(
@@ -114,19 +115,19 @@ def build_app(
         # Admin routes always need a token: without a configured one, generate and keep one.
         config = config.with_overrides(admin_token=ensure_admin_token(config.data_dir))
     assert config.admin_token is not None
-    ledger = guarded(ledger, config.ledger_timeout_s) if ledger is not None else open_ledger(config)
+    ledger = guarded(ledger, config.ledger.ledger_timeout_s) if ledger is not None else open_ledger(config)
     prices = PriceBook(dict(config.prices))
     metrics = Metrics(
-        model_label=_catalog_label(prices) if config.metrics_model_labels == "catalog" else None
+        model_label=_catalog_label(prices) if config.metrics.model_labels == "catalog" else None
     )
-    spans = open_span_system(config, **(span_options or {}))
+    spans = open_span_system(config.spans, config.data_dir, **(span_options or {}))
     metrics.watch_spans(spans)
     rt = Runtime(config, ledger, prices, metrics, Flights(), spans)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         handler_args={"max_field_size": 65536},
         # Host / Origin against DNS rebinding, before any route (server/local_trust.py)
-        middlewares=[LocalTrust(config).middleware, json_not_found],
+        middlewares=[LocalTrust(config.local, config.listen_host).middleware, json_not_found],
     )
     app[RUNTIME] = rt
 
@@ -134,9 +135,9 @@ def build_app(
     clients = ClientAuth(config.client_tokens, config.tenant_upstream_keys)
     metrics_guard = (
         AdminGuard(
-            config.admin_token, config.metrics_token or "", what="GET /metrics ([metrics] require_token)"
+            config.admin_token, config.metrics.token or "", what="GET /metrics ([metrics] require_token)"
         )
-        if config.metrics_require_token
+        if config.metrics.require_token
         else None
     )
     OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder, metrics_guard).add_to(app)
@@ -216,7 +217,7 @@ def build_app(
         # Tenants sharing a provider key see only their own provider objects; first, so a refused
         # read reserves and counts nothing.
         steps = Pipeline([TenantObjects(ledger), context, budget, MetricsStep(metrics)])
-        if config.tracing:
+        if config.spans.tracing:
             steps.append(TraceStep(spans.recorder))
         if config.log_requests:
             steps.append(AccessLogStep())
@@ -225,7 +226,7 @@ def build_app(
         metrics.watch_ledger(ledger)
         ledger.start()  # writes the ledger could not take (settlements...) are retried from now on
         spans.start()
-        app[_RECOVERY] = asyncio.create_task(_recovery_loop(ledger, config.ledger_sweep_interval_s))
+        app[_RECOVERY] = asyncio.create_task(_recovery_loop(ledger, config.ledger.ledger_sweep_interval_s))
 
     async def on_cleanup(app: web.Application) -> None:
         app[_RECOVERY].cancel()
@@ -310,15 +311,15 @@ def serve(config: Config) -> None:
 
 
 def _start_shipper(config: Config) -> ShipperSupervisor | None:
-    if not config.tracing:
+    if not config.spans.tracing:
         return None
-    if not config.clickhouse_url and importlib.util.find_spec("chdb") is None:
+    if not config.spans.clickhouse_url and importlib.util.find_spec("chdb") is None:
         raise ConfigError(
             "tracing: the embedded span store needs chdb: install the runcap[embedded] extra "
             "(pip install 'runcap[embedded]'), set RUNCAP_CLICKHOUSE_URL to a ClickHouse server, "
             "or set tracing = false"
         )
-    supervisor = ShipperSupervisor(config)
+    supervisor = ShipperSupervisor(config.spans, config.data_dir)
     supervisor.start()
     return supervisor
 
@@ -374,7 +375,7 @@ def _serve_one(config: Config, reuse_port: bool, worker: int | None, parent_pid:
         config.listen, os.getpid(), config.data_dir, app[RUNTIME].ledger.name,
     )  # fmt: skip
     # Header and body deadlines, idle keep-alive, connections per client (server/connections.py).
-    guard = ConnectionGuard(ConnectionLimits.from_config(config))
+    guard = ConnectionGuard(config.connections)
     app[RUNTIME].metrics.watch_connections(guard)
 
     async def draining(app: web.Application) -> None:
@@ -384,8 +385,10 @@ def _serve_one(config: Config, reuse_port: bool, worker: int | None, parent_pid:
         log.info(
             '{"event": "draining", "pid": %d, "in_flight_runs": %d, "then": "%s"}',
             os.getpid(), len(rt.flights.run_ids()),
-            "the span shipper drains the WAL" if config.tracing else "exit",
+            "the span shipper drains the WAL" if config.spans.tracing else "exit",
         )  # fmt: skip
 
     app.on_shutdown.append(draining)
-    run_guarded(app, sock, guard, keepalive_timeout_s=config.keepalive_timeout_s, shutdown_timeout_s=10)
+    run_guarded(
+        app, sock, guard, keepalive_timeout_s=config.connections.keepalive_timeout_s, shutdown_timeout_s=10
+    )

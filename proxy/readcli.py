@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from proxy import admin_http
 from proxy.clierrors import http_error, store_error
-from proxy.config import Config
+from proxy.config import Config, SpanSettings
 from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
 from proxy.server.auth import cli_admin_token
 from proxy.spans.control import socket_path
@@ -115,19 +115,19 @@ class ShipperReader:
 class DirectReader:
     """SQL on the span store itself: a ClickHouse server, or the embedded chdb directory."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: SpanSettings, data_dir: Path) -> None:
         from proxy.spans.clickhouse import EMBEDDED_SUBDIR, SpanStoreError, open_span_store
 
         if config.clickhouse_url:
             self.where = "the ClickHouse server in RUNCAP_CLICKHOUSE_URL"
         else:
-            path = Path(config.data_dir) / EMBEDDED_SUBDIR
+            path = Path(data_dir) / EMBEDDED_SUBDIR
             self.where = str(path)
             if not path.is_dir():
                 raise StoreUnreachable(f"no embedded span store in {path} (wrong --data-dir?)")
         try:
             self._store = open_span_store(
-                config.clickhouse_url, config.data_dir, read_url=config.clickhouse_read_url
+                config.clickhouse_url, data_dir, read_url=config.clickhouse_read_url
             )
         except SpanStoreError as e:
             raise StoreUnreachable(str(e)) from None
@@ -177,8 +177,10 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
         try:
             return _open_reader(config, url, data_dir_given)
         except ReadError as e:
-            starting = isinstance(e, StoreUnreachable) or "span_store_unavailable" in str(e) or (
-                "shipper" in str(e) and "HTTP 503" in str(e)
+            starting = (
+                isinstance(e, StoreUnreachable)
+                or "span_store_unavailable" in str(e)
+                or ("shipper" in str(e) and "HTTP 503" in str(e))
             )
             if url or not starting or time.monotonic() > deadline or not serve_running(config.data_dir):
                 raise
@@ -187,8 +189,8 @@ def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader
 
 def _open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:
     token = cli_admin_token(config.admin_token, config.data_dir)
-    if config.clickhouse_url:
-        return DirectReader(config)
+    if config.spans.clickhouse_url:
+        return DirectReader(config.spans, config.data_dir)
     if url:
         return AdminSqlReader(url, token)
     configured = AdminSqlReader(f"http://{config.listen}", token)
@@ -203,7 +205,7 @@ def _open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reade
                 shipper.query("SELECT 1")
                 return shipper
             if kind == "direct":
-                return DirectReader(config)
+                return DirectReader(config.spans, config.data_dir)
             configured.query("SELECT 1")
             return configured
         except StoreUnreachable as e:
@@ -219,6 +221,7 @@ def _open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reade
 
 
 # -- commands -------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TableView:
@@ -350,8 +353,8 @@ def _payload(args: argparse.Namespace, config: Config) -> int:
         )
     if len(given) < MIN_PREFIX:
         raise ReadError(f"{args.hash!r} is too short: give at least {MIN_PREFIX} hex digits of the hash")
-    where = config.s3_url or str(Path(config.data_dir) / "payloads")
-    store = open_payload_store(config.s3_url, config.data_dir)
+    where = config.spans.s3_url or str(Path(config.data_dir) / "payloads")
+    store = open_payload_store(config.spans.s3_url, config.data_dir)
     try:
         digest = given
         if len(given) < 64:

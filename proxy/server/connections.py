@@ -29,7 +29,6 @@ import logging
 import socket
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
@@ -38,7 +37,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from proxy.config import Config
+from proxy.config import ConnectionSettings
 from proxy.errors import InvalidRequest
 from proxy.server.request_body import DECODED
 
@@ -59,22 +58,11 @@ _TOO_MANY = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    max_per_client: int = 256  # 0: no limit
-
-    @classmethod
-    def from_config(cls, config: Config) -> ConnectionLimits:
-        return cls(config.header_timeout_s, config.body_timeout_s, config.max_connections_per_client)
-
-
 class ConnectionGuard:
     """One server's connection limits and what they did: open connections per client address,
     connections closed by reason (`header_timeout`, `body_timeout`, `too_many_connections`)."""
 
-    def __init__(self, limits: ConnectionLimits) -> None:
+    def __init__(self, limits: ConnectionSettings) -> None:
         self.limits = limits
         self.by_client: Counter[str] = Counter()
         self.open = 0
@@ -89,7 +77,7 @@ class ConnectionGuard:
         return factory
 
     def admit(self, client: str) -> bool:
-        limit = self.limits.max_per_client
+        limit = self.limits.max_connections_per_client  # 0: no limit
         if limit and self.by_client[client] >= limit:
             self.closed["too_many_connections"] += 1
             return False

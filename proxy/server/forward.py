@@ -52,7 +52,7 @@ class Forwarder:
         self.flights = flights
         self.metrics = metrics
         # Streams are captured for the payload store only when it keeps bodies at all.
-        self.capture_limit = 0 if config.payloads == "off" else config.payload_max_bytes
+        self.capture_limit = 0 if config.spans.payloads == "off" else config.spans.payload_max_bytes
 
     async def handle(
         self, request: web.Request, upstream: UpstreamConfig, target: UpstreamTarget, clients: ClientAuth

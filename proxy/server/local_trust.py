@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from proxy.config import Config
+from proxy.config import LocalSettings
 from proxy.errors import Rejection
 from proxy.mcp.wire import dumps, error_message
 
@@ -62,15 +62,15 @@ def is_loopback(name: str) -> bool:
 class LocalTrust:
     """The aiohttp middleware that checks `Host` and `Origin` on every request."""
 
-    def __init__(self, config: Config) -> None:
-        hosts = set(config.allowed_hosts)
+    def __init__(self, local: LocalSettings, listen_host: str) -> None:
+        hosts = set(local.allowed_hosts)
         self.any_host = "*" in hosts
-        listen = config.listen_host.lower()
+        listen = listen_host.lower()
         if listen not in _WILDCARD_LISTEN:
             hosts.add(host_name(listen if ":" not in listen else f"[{listen}]"))
         self.hosts = frozenset(hosts - {"*"})
-        self.any_origin = "*" in config.allowed_origins
-        self.origins = frozenset(config.allowed_origins) - {"*"}
+        self.any_origin = "*" in local.allowed_origins
+        self.origins = frozenset(local.allowed_origins) - {"*"}
 
     def refusal(self, request: web.Request) -> Forbidden | None:
         if not self.any_host:

@@ -17,9 +17,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from proxy.config import Config
+from proxy.config import SpanSettings
 from proxy.spans.control import ShipperClient, ShipperUnavailable, socket_path
 from proxy.spans.payloads import PayloadPolicy
 from proxy.spans.recorder import NullRecorder, SpanRecorder, WalRecorder
@@ -93,7 +94,8 @@ class SpanSystem:
 
 
 def open_span_system(
-    config: Config,
+    config: SpanSettings,
+    data_dir: Path,
     *,
     shipper: str = "thread",
     stats_interval_s: float = 1.0,
@@ -106,9 +108,11 @@ def open_span_system(
         return SpanSystem(NullRecorder())
     if shipper not in SHIPPER_MODES:
         raise ValueError(f"shipper must be one of {', '.join(SHIPPER_MODES)} (got {shipper!r})")
-    in_process = open_shipper(config, lock_timeout_s=5.0, **shipper_options) if shipper == "thread" else None
+    in_process = (
+        open_shipper(config, data_dir, lock_timeout_s=5.0, **shipper_options) if shipper == "thread" else None
+    )
     writer = WalWriter(
-        config.data_dir / WAL_SUBDIR,
+        data_dir / WAL_SUBDIR,
         fsync=config.wal_fsync,
         fsync_interval_s=config.wal_fsync_interval_ms / 1000.0,
         max_bytes=config.wal_max_bytes,
@@ -118,25 +122,26 @@ def open_span_system(
     )
     recorder = WalRecorder(writer, PayloadPolicy(config.payloads, config.payload_max_bytes))
     return SpanSystem(
-        recorder, writer, in_process, ShipperClient(config.data_dir), stats_interval_s, drain_timeout_s
+        recorder, writer, in_process, ShipperClient(data_dir), stats_interval_s, drain_timeout_s
     )
 
 
-def open_shipper(config: Config, **options: Any) -> Shipper:
-    """The shipper for `config`, with every sink it configures. Takes the data directory's shipper
-    lock first (waiting for a previous shipper to exit), then opens the stores: embedded chdb at
-    once, so a missing `runcap[embedded]` extra stops start-up with its message; a server lazily
-    (runcap starts while ClickHouse is down, and ships once it is up)."""
+def open_shipper(config: SpanSettings, data_dir: Path, **options: Any) -> Shipper:
+    """The shipper for the span path's settings and `data_dir`, with every sink they configure.
+    Takes the data directory's shipper lock first (waiting for a previous shipper to exit), then
+    opens the stores: embedded chdb at once, so a missing `runcap[embedded]` extra stops start-up
+    with its message; a server lazily (runcap starts while ClickHouse is down, and ships once it
+    is up)."""
     from proxy.spans.clickhouse import open_span_store
     from proxy.spans.payloads import open_payload_store
     from proxy.spans.shipper import Shipper, lock_shipper
     from proxy.spans.sink import LazySink, SpanSink
 
-    wal_dir = config.data_dir / WAL_SUBDIR
+    wal_dir = data_dir / WAL_SUBDIR
     wal_dir.mkdir(parents=True, exist_ok=True)
     lock_fd = lock_shipper(wal_dir, options.pop("lock_timeout_s", 60.0))
     try:
-        url, data_dir, read_url = config.clickhouse_url, config.data_dir, config.clickhouse_read_url
+        url, read_url = config.clickhouse_url, config.clickhouse_read_url
         store = LazySink("clickhouse", lambda: open_span_store(url, data_dir, read_url=read_url))
         if not url:
             store.get()
@@ -157,7 +162,7 @@ def open_shipper(config: Config, **options: Any) -> Shipper:
                     "retention_days": config.payload_retention_days,
                     "max_total_bytes": config.payload_store_max_bytes,
                 }
-            payloads = open_payload_store(config.s3_url, config.data_dir, **store_options)
+            payloads = open_payload_store(config.s3_url, data_dir, **store_options)
         # Large batches while catching up (bench/span_bench.py: ~45k spans/s at 5,000 spans per
         # batch on chdb, more at 20,000); at low load the flush interval cuts them small.
         options.setdefault("batch_size", 20_000)
@@ -166,7 +171,7 @@ def open_shipper(config: Config, **options: Any) -> Shipper:
             sinks=sinks,
             payloads=payloads,
             query_store=store,
-            socket_path=socket_path(config.data_dir),
+            socket_path=socket_path(data_dir),
             lock_fd=lock_fd,
             **options,
         )

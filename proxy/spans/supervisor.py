@@ -30,7 +30,7 @@ from pathlib import Path
 
 import orjson
 
-from proxy.config import Config
+from proxy.config import SpanSettings
 
 log = logging.getLogger("runcap.shipper")
 
@@ -50,7 +50,9 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         os._exit(0)
 
 
-def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_timeout_s: float) -> None:
+def run_shipper_process(
+    config: SpanSettings, data_dir: Path, parent_pid: int, restarts: int, drain_timeout_s: float
+) -> None:
     """The shipper process: ship until its supervisor's SIGTERM, then drain (bounded) and exit."""
     # Blocked before any thread exists (they inherit the mask): SIGTERM is taken only by
     # `_wait_for_stop`, which can tell who sent it.
@@ -71,9 +73,9 @@ def run_shipper_process(config: Config, parent_pid: int, restarts: int, drain_ti
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from proxy.spans.setup import open_shipper
 
-    shipper = open_shipper(config, restarts=restarts)
+    shipper = open_shipper(config, data_dir, restarts=restarts)
     with contextlib.suppress(OSError):
-        (Path(config.data_dir) / PID_FILE).write_text(f"{os.getpid()}\n")
+        (Path(data_dir) / PID_FILE).write_text(f"{os.getpid()}\n")
     shipper.start()
     log.info('{"event": "shipper started", "pid": %d, "restarts": %d}', os.getpid(), restarts)
     _wait_for_stop(parent_pid)
@@ -115,13 +117,15 @@ class ShipperSupervisor:
 
     def __init__(
         self,
-        config: Config,
+        config: SpanSettings,
+        data_dir: Path,
         *,
         restart_delay_s: float = 0.5,
         max_restart_delay_s: float = 10.0,
         drain_timeout_s: float = 5.0,
     ) -> None:
         self.config = config
+        self.data_dir = data_dir
         self.restart_delay_s = restart_delay_s
         self.max_restart_delay_s = max_restart_delay_s
         self.drain_timeout_s = drain_timeout_s
@@ -140,7 +144,7 @@ class ShipperSupervisor:
             started = time.monotonic()
             proc = ctx.Process(
                 target=run_shipper_process,
-                args=(self.config, os.getpid(), self.restarts, self.drain_timeout_s),
+                args=(self.config, self.data_dir, os.getpid(), self.restarts, self.drain_timeout_s),
                 name="runcap-shipper",
                 daemon=False,
             )

@@ -244,9 +244,9 @@ def test_runcap_configuration_loads_with_the_compose_environment(compose: dict[s
     raw = tomllib.loads((REPO / "deploy" / "runcap.toml").read_text())
     env = env_of(compose["services"]["runcap"])
     config = build_config(raw, env, listen="0.0.0.0:8787")
-    assert config.clickhouse_url == env["RUNCAP_CLICKHOUSE_URL"]
-    assert config.s3_url and config.redis_url and config.admin_token
-    assert config.otlp_endpoint is None and config.tracing
+    assert config.spans.clickhouse_url == env["RUNCAP_CLICKHOUSE_URL"]
+    assert config.spans.s3_url and config.ledger.redis_url and config.admin_token
+    assert config.spans.otlp_endpoint is None and config.spans.tracing
     assert config.caps.ceiling_max_usd_nanos is not None  # production has a dollar ceiling
 
 

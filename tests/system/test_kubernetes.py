@@ -139,10 +139,10 @@ def test_the_configmaps_runcap_toml_is_accepted_with_the_pods_environment() -> N
     # runcap holds the provider keys (api_key_env), read from the Secret
     assert config.upstreams["openai"].api_key == secret["openai-api-key"]
     assert config.upstreams["anthropic"].api_key == secret["anthropic-api-key"]
-    assert config.clickhouse_url and config.s3_url and config.redis_url
+    assert config.spans.clickhouse_url and config.spans.s3_url and config.ledger.redis_url
     # the write-ahead log stays well inside the emptyDir it lives on
     size_limit = next(v for v in pod(objs)["volumes"] if v["name"] == "runcap-data")["emptyDir"]["sizeLimit"]
-    assert size_limit == "2Gi" and config.wal_max_bytes <= 2 * 2**30 // 2
+    assert size_limit == "2Gi" and config.spans.wal_max_bytes <= 2 * 2**30 // 2
 
 
 def test_drain_fits_the_grace_period_and_the_budget_selects_the_pods() -> None:

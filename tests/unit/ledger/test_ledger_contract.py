@@ -331,8 +331,8 @@ async def test_retention(make_ledger):  # type: ignore[no-untyped-def]
 def test_retention_setting_is_validated() -> None:
     from proxy.config import ConfigError, build_config
 
-    assert build_config({}).ledger_retention_s == 7 * 24 * 3600
-    assert build_config({"ledger_retention_s": 3600}).ledger_retention_s == 3600
+    assert build_config({}).ledger.ledger_retention_s == 7 * 24 * 3600
+    assert build_config({"ledger_retention_s": 3600}).ledger.ledger_retention_s == 3600
     for bad in (0, -5, "soon", 0.5):
         with pytest.raises(ConfigError, match=r"^ledger_retention_s"):
             build_config({"ledger_retention_s": bad})

@@ -63,7 +63,7 @@ def test_the_size_cap_removes_the_oldest_bodies_first(tmp_path: Path) -> None:
 
 def test_retention_settings_are_validated_and_default_to_30_days(tmp_path: Path) -> None:
     config = build_config({})
-    assert config.payload_retention_days == 30 and config.payload_store_max_bytes == 1 << 30
+    assert config.spans.payload_retention_days == 30 and config.spans.payload_store_max_bytes == 1 << 30
     for bad in ({"payload_retention_days": -1}, {"payload_store_max_bytes": -5}):
         try:
             build_config(bad)
