@@ -348,15 +348,17 @@ class _UnnamedFiles:
     supported = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 
     def __init__(self) -> None:
-        self._fds: tuple[int, int] | None = None  # (pid, fd of /proc/self/fd): reopened after a fork
+        # (fork generation, fd of /proc/self/fd): "self" is resolved when it is opened, so a
+        # forked child opens its own (a getpid per body was 3 % of the payload lane)
+        self._fds: tuple[int, int] | None = None
 
     def _proc_fds(self) -> int:
-        pid = os.getpid()
-        if self._fds is None or self._fds[0] != pid:
+        if self._fds is None or self._fds[0] != _forks[0]:
             try:
-                self._fds = (pid, os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+                fd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as exc:
                 raise _NoUnnamedFiles() from exc
+            self._fds = (_forks[0], fd)
         return self._fds[1]
 
     def write(self, path: str, data: bytes, fsync: bool) -> bool:
@@ -385,9 +387,13 @@ class _UnnamedFiles:
         return True
 
     def close(self) -> None:
-        if self._fds is not None and self._fds[0] == os.getpid():
+        if self._fds is not None and self._fds[0] == _forks[0]:  # a parent's fd is the parent's
             os.close(self._fds[1])
         self._fds = None
+
+
+_forks = [0]  # forks this process is from: bumped in every child
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
 def _meta_path(path: Path) -> Path:
