@@ -20,8 +20,14 @@
 3. With `--baseline DIR` (another checkout, e.g. the revision before the WAL): both trees' proxies,
    tracing on and off, side by side in the same rounds, closed loop c=64.
 
+4. With `--payload-lane CALLS` (nothing else): the shipper's payload lane alone — a WAL of CALLS
+   traced calls with two unique bodies each, shipped into a local payload store as `runcap serve`
+   opens it — the process's CPU per body, in a subprocess per tree (`--baseline DIR` too,
+   interleaved rounds); `--profile` prints a cProfile of the lane's thread first.
+
     .venv/bin/python -m bench.span_bench [--spans 200000] [--duration 10] [--rounds 3] [--skip-proxy]
                                          [--skip-ingest] [--json out.json] [--baseline DIR]
+    .venv/bin/python -m bench.span_bench --payload-lane 4000 [--rounds 5] [--baseline DIR] [--profile]
 
 Every run is bounded in time (each load `--duration` seconds; ingestion gives up after 300 s).
 """
