@@ -408,7 +408,7 @@ def bench_baseline(duration: float, tmp: Path, rounds: int, baseline: Path) -> d
 # trees' payload stores are measured side by side with the same code (`--payload-lane --baseline`).
 # Only APIs both trees have: `WalWriter.append_step`, `Shipper(payloads=...)`, `LocalPayloadStore`.
 PAYLOAD_LANE_PROBE = """
-import hashlib, json, os, sys, tempfile, time
+import hashlib, json, os, shutil, sys, tempfile, time
 from datetime import UTC, datetime
 from pathlib import Path
 from proxy.spans.model import Payload, Span
@@ -446,6 +446,7 @@ cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
 shipper.stop()
 assert lane.records_written >= n, (lane.records_written, n)
 stored = sum(len(files) for _, _, files in os.walk(tmp / "payloads"))
+shutil.rmtree(tmp)  # thousands of small files per run
 if profile:
     shipper.stop()
     pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
