@@ -20,8 +20,14 @@
 3. With `--baseline DIR` (another checkout, e.g. the revision before the WAL): both trees' proxies,
    tracing on and off, side by side in the same rounds, closed loop c=64.
 
+4. With `--payload-lane CALLS` (nothing else): the shipper's payload lane alone — a WAL of CALLS
+   traced calls with two unique bodies each, shipped into a local payload store as `runcap serve`
+   opens it — the process's CPU per body, in a subprocess per tree (`--baseline DIR` too,
+   interleaved rounds); `--profile` prints a cProfile of the lane's thread first.
+
     .venv/bin/python -m bench.span_bench [--spans 200000] [--duration 10] [--rounds 3] [--skip-proxy]
                                          [--skip-ingest] [--json out.json] [--baseline DIR]
+    .venv/bin/python -m bench.span_bench --payload-lane 4000 [--rounds 5] [--baseline DIR] [--profile]
 
 Every run is bounded in time (each load `--duration` seconds; ingestion gives up after 300 s).
 """
@@ -124,18 +130,27 @@ def ingest(store: Any, wal: Path, n_spans: int, batch_size: int) -> dict[str, An
     }
 
 
+def start_clickhouse_fixture(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A ClickHouse HTTP endpoint in a process of its own (the test suite's chdb-backed fixture,
+    tests/support/clickhouse_http.py): the process and its URL, once it listens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.clickhouse_http", str(directory), str(free_port())],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    url = proc.stdout.readline().decode().strip()
+    if not url:
+        proc.kill()
+        raise RuntimeError(f"the ClickHouse HTTP fixture exited with {proc.wait(5)} before listening")
+    return proc, url
+
+
 def bench_ingestion(n: int, batch_size: int, tmp: Path) -> list[dict[str, Any]]:
     out = []
     store = open_span_store(None, tmp / "chdb")
     out.append({"backend": "chdb (embedded)", **ingest(store, tmp / "wal-chdb", n, batch_size)})
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.clickhouse_http", str(tmp / "fixture"), str(port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc, url = start_clickhouse_fixture(tmp / "fixture")
     try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().decode().strip()
         store = open_span_store(url, tmp)
         out.append({"backend": "HTTP (clickhouse-connect)", **ingest(store, tmp / "wal-http", n, batch_size)})
     finally:
@@ -297,15 +312,10 @@ def bench_proxy(duration: float, tmp: Path, rounds: int = 3) -> list[dict[str, A
 def bench_server_shipper(duration: float, tmp: Path, up_port: int) -> dict[str, Any]:
     """The shipper's RSS with a ClickHouse server (the HTTP fixture) instead of chdb, after the
     same closed-loop load."""
-    ch_port, port = free_port(), free_port()
-    fixture = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.clickhouse_http", str(tmp / "fixture-rss"), str(ch_port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    port = free_port()
+    fixture, url = start_clickhouse_fixture(tmp / "fixture-rss")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        assert fixture.stdout is not None
-        url = fixture.stdout.readline().decode().strip()
         cfg = tmp / "runcap-server.toml"
         cfg.write_text(
             f'log_requests = false\nclickhouse_url = "{url}"\n[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
@@ -392,6 +402,93 @@ def bench_baseline(duration: float, tmp: Path, rounds: int, baseline: Path) -> d
         stop_all(procs)
 
 
+# -- the payload lane --------------------------------------------------------------------------------
+
+# Run in a subprocess with the tree under test as its working directory and import path, so two
+# trees' payload stores are measured side by side with the same code (`--payload-lane --baseline`).
+# Only APIs both trees have: `WalWriter.append_step`, `Shipper(payloads=...)`, `LocalPayloadStore`.
+PAYLOAD_LANE_PROBE = """
+import hashlib, json, os, shutil, sys, tempfile, time
+from datetime import UTC, datetime
+from pathlib import Path
+from proxy.spans.model import Payload, Span
+from proxy.spans.payloads import LocalPayloadStore
+from proxy.spans.shipper import Shipper
+from proxy.spans.wal import WalWriter
+
+n, profile = int(sys.argv[1]), sys.argv[2] == "1"
+tmp = Path(tempfile.mkdtemp(prefix="runcap-payload-lane-"))
+writer = WalWriter(tmp / "wal", segment_bytes=64 << 20, max_bytes=16 << 30)
+t0 = datetime.now(UTC)
+for i in range(n):  # one traced model call: its span, the request and response bodies (unique)
+    request = b'{"model":"gpt-4o-mini","messages":[{"role":"user","content":"ping %d"}],"max_tokens":32}' % i
+    response = (b'{"id":"chatcmpl-%d","object":"chat.completion","model":"gpt-4o-mini","choices":[{"index":0,'
+                b'"message":{"role":"assistant","content":"pong pong pong pong pong pong"},"finish_reason":'
+                b'"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":12,"total_tokens":21}}' % i)
+    bodies = [Payload(hashlib.sha256(b).hexdigest(), b) for b in (request, response)]
+    span = Span(run_id=f"r{i}", kind="model", step=1, started_at=t0, request_hash=bodies[0].sha256,
+                response_hash=bodies[1].sha256)
+    writer.append_step([span], [], bodies)
+writer.close()
+store = LocalPayloadStore(tmp / "payloads", fsync=False)  # as `runcap serve` opens it
+shipper = Shipper(tmp / "wal", payloads=store, flush_interval_s=0.05, poll_interval_s=0.02)
+lane = shipper.lanes[-1]
+if profile:  # the whole lane thread: reading the WAL, decoding records, the store
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    run = lane._run
+    lane._run = lambda: prof.runcall(run)
+cpu0, wall0 = time.process_time(), time.perf_counter()
+shipper.start()
+while lane.records_written < n and time.perf_counter() - wall0 < 120:
+    time.sleep(0.005)
+cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+shipper.stop()
+assert lane.records_written >= n, (lane.records_written, n)
+stored = sum(len(files) for _, _, files in os.walk(tmp / "payloads"))
+shutil.rmtree(tmp)  # thousands of small files per run
+if profile:
+    shipper.stop()
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+print(json.dumps({"records": n, "files": stored, "cpu_ms_per_record": round(cpu * 1e3 / n, 4),
+                  "cpu_us_per_body": round(cpu * 1e6 / (2 * n), 2), "records_per_s": round(n / wall)}))
+"""
+
+
+def payload_lane_run(tree: Path, records: int, profile: bool = False) -> dict[str, Any]:
+    """The payload lane of one `Shipper` of `tree` storing `records` calls' bodies (two each)
+    from a WAL to a local payload store: the shipper process's CPU (all threads) per record."""
+    out = subprocess.run(
+        [sys.executable, "-c", PAYLOAD_LANE_PROBE, str(records), "1" if profile else "0"],
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"payload lane probe in {tree} failed: {out.stderr.decode()[-2000:]}")
+    if profile:
+        sys.stderr.write(out.stderr.decode())
+    return json.loads(out.stdout.decode().splitlines()[-1])
+
+
+def bench_payload_lane(records: int, rounds: int, baseline: Path | None) -> dict[str, Any]:
+    """This tree's payload lane (and `baseline`'s, interleaved, who goes first alternating)."""
+    trees = {"this tree": ROOT, **({"baseline": baseline} if baseline is not None else {})}
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for round_ in range(rounds):
+        order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
+        for name in order:
+            samples[name].append(payload_lane_run(trees[name], records))
+    scenario = f"payload lane, {records} calls (2 unique bodies each)"
+    row: dict[str, Any] = {"scenario": scenario, "rounds": rounds}
+    for name, runs in samples.items():
+        row[name] = {
+            k: round(statistics.median(run[k] for run in runs), 4)
+            for k in ("cpu_ms_per_record", "cpu_us_per_body", "records_per_s")
+        }
+        row[name]["rounds_cpu_us_per_body"] = [run["cpu_us_per_body"] for run in runs]
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spans", type=int, default=200_000)
@@ -402,7 +499,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--baseline", type=Path, help="also compare with this checkout of runcap (side by side)")
+    ap.add_argument("--payload-lane", type=int, metavar="CALLS", help="only the payload lane, CALLS per run")
+    ap.add_argument("--profile", action="store_true", help="with --payload-lane: cProfile the lane, once")
     args = ap.parse_args(argv)
+    if args.payload_lane:
+        if args.profile:
+            payload_lane_run(ROOT, args.payload_lane, profile=True)
+        row = bench_payload_lane(args.payload_lane, args.rounds, args.baseline and args.baseline.resolve())
+        if args.json:
+            Path(args.json).write_text(json.dumps([row], indent=2))
+        return 0
     tmp = Path(tempfile.mkdtemp(prefix="runcap-span-bench-"))
     results: list[dict[str, Any]] = []
     if not args.skip_ingest:

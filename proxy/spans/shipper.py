@@ -155,9 +155,9 @@ def span_delivery(sink: SpanSink) -> Delivery:
 
     def deliver(batch: WalBatch) -> int:
         if write_jsonl is not None:
-            spans, runs = batch.spans_jsonl(), batch.runs_jsonl()
-            if spans or runs:
-                write_jsonl(spans, runs, batch.token)
+            spans_jsonl, runs_jsonl = batch.spans_jsonl(), batch.runs_jsonl()
+            if spans_jsonl or runs_jsonl:
+                write_jsonl(spans_jsonl, runs_jsonl, batch.token)
             return 0
         spans, runs = batch.spans(), batch.runs()
         if spans or runs:
