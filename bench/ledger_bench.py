@@ -166,8 +166,17 @@ def _tools_part(duration: float, concurrency: int, redis_url: str, tmp: Path) ->
             proc = start(serve, port, f"runcap ({backend})", tmp / f"runcap-{backend}.log")
             try:
                 url = f"http://127.0.0.1:{port}/tools/echo"
-                run_subprocess(url, body, {}, concurrency=8, duration_s=1.0)
-                p = run_subprocess(url, body, {}, concurrency=concurrency, duration_s=duration)
+                # a side-effecting tool needs a run id: one run per request (`{n}`: its number)
+                run_subprocess(
+                    url, body, {"X-Run-Id": f"warm-{backend}-{{n}}"}, concurrency=8, duration_s=1.0
+                )
+                p = run_subprocess(
+                    url,
+                    body,
+                    {"X-Run-Id": f"bench-{backend}-{{n}}"},
+                    concurrency=concurrency,
+                    duration_s=duration,
+                )
             finally:
                 proc.terminate()
                 proc.wait(15)

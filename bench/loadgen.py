@@ -107,6 +107,8 @@ class _Recorder:
         self.sent = 0
         self.bytes = 0
         self.last_done = 0.0
+        self.templated = False  # a header value holds `{n}`
+        self.numbered = 0
 
     def error(self, name: str) -> None:
         self.errors[name] = self.errors.get(name, 0) + 1
@@ -138,7 +140,11 @@ async def _one(
     start: float,
     rec: _Recorder,
 ) -> None:
-    """One request; latency from `start` (the scheduled time in open loop, the send in closed)."""
+    """One request; latency from `start` (the scheduled time in open loop, the send in closed).
+    A header value holding `{n}` gets the request's own number there (a run id per request)."""
+    if rec.templated:
+        rec.numbered += 1
+        headers = {k: v.replace("{n}", str(rec.numbered)) for k, v in headers.items()}
     try:
         async with session.post(url, data=data, headers=headers) as resp:
             if stream:
@@ -240,6 +246,7 @@ async def open_loop(
     total = max(1, round(rate * duration_s))
     interval = 1.0 / rate
     rec = _Recorder()
+    rec.templated = any("{n}" in v for v in hdrs.values())
     notes: list[str] = []
     dropped = 0
     max_late = 0.0
@@ -294,6 +301,7 @@ async def closed_loop(
         raise ValueError("concurrency and duration_s must be positive")
     data, hdrs = _prepare(body, headers)
     rec = _Recorder()
+    rec.templated = any("{n}" in v for v in hdrs.values())
     budget = [max_requests if max_requests is not None else -1]
 
     async def worker(deadline: float) -> None:
