@@ -607,3 +607,77 @@ def test_deadline_message_says_how_long_ago() -> None:
 
 def test_unledgered_step_is_not_ledgered() -> None:
     assert begin_unledgered_step(step()).ledgered is False
+
+
+# -- fees and hosted-tool uses ----------------------------------------------------------------------
+
+
+def test_fixed_fees_are_reserved_with_the_input() -> None:
+    res = decide_step(run(), step(fixed_usd_nanos=5000))
+    assert res.usd_nanos == 100_000 + 5000 + 1000 * 2000
+
+
+def test_hosted_tool_uses_the_request_limits_are_reserved() -> None:
+    hosted = {"hosted_tools": True, "use_tokens": 50, "use_usd_nanos": 7000, "fixed_usd_nanos": 5000}
+    res = decide_step(run(), step(uses_wanted=2, **hosted))
+    assert (res.uses, res.hosted_uses) == (2, None)  # the request's own limit: left as it is
+    assert res.input_tokens == 100 + 2 * 50
+    assert res.usd_nanos == 100_000 + 5000 + 2 * 7000 + 1000 * 2000
+    # An answer-only step has its tools stripped: no use reserved.
+    res = decide_step(run(caps=RunCaps(max_steps=1)), step(uses_wanted=2, **hosted))
+    assert res.final_step and (res.uses, res.hosted_uses) == (0, None) and res.input_tokens == 100
+
+
+def test_hosted_tool_uses_are_bounded_by_the_dollars_left() -> None:
+    hosted = {"hosted_tools": True, "use_tokens": 50, "use_usd_nanos": 7000, "fixed_usd_nanos": 5000}
+    # Input, fees and the useful output paid for, then three uses and a little less than a fourth.
+    cap = 100_000 + 5000 + 10 * 2000 + 3 * 7000 + 6999
+    res = decide_step(run(caps=RunCaps(max_usd_nanos=cap)), step(min_output_tokens=10, **hosted))
+    assert (res.uses, res.hosted_uses) == (3, 3)  # no limit in the request: runcap writes one
+    assert res.usd_nanos <= cap
+
+
+# -- messages and limits written -----------------------------------------------------------------
+
+
+def test_a_token_cap_writes_a_limit_when_the_request_has_none() -> None:
+    res = decide_step(run(caps=RunCaps(max_tokens=10**9)), step())
+    assert (res.output_limit, res.clamped) == (1000, False)
+
+
+def test_an_unpriced_output_costs_nothing_reserved() -> None:
+    res = decide_step(
+        run(caps=RunCaps(max_usd_nanos=10**9)), step(output_usd_per_mtok=None, allow_unpriced=True)
+    )
+    assert res.usd_nanos == 100_000  # the input's price only
+    with pytest.raises(InvalidRequest) as e:
+        decide_step(run(caps=RunCaps(max_usd_nanos=10**9)), step(output_usd_per_mtok=None))
+    assert e.value.param == "model"
+
+
+def test_refusal_messages_in_full() -> None:
+    with pytest.raises(BudgetExceeded) as e:
+        decide_step(run(upstream_failures=2), step(max_upstream_failures=2))
+    assert e.value.message == (
+        "caps.max_upstream_failures: the last 2 model calls of run r got no answer from the upstream "
+        "(connection error, 408/409/429/5xx or cut before any output; the limit is 2 in a row), so "
+        "runcap stopped the run. Check the provider, then start a new run, or have an operator let "
+        "this one go on (runcap caps RUN_ID ...)."
+    )
+    with pytest.raises(BudgetExceeded) as e:
+        decide_step(run(final_reason="max_tool_calls"), step())
+    assert e.value.message == (
+        "X-Run-Max-Tool-Calls: run r already had its answer-only final step; the run is over — "
+        "start a new run to continue"
+    )
+    with pytest.raises(BudgetExceeded) as e:
+        decide_step(run(caps=RunCaps(max_steps=2), steps=2), step())
+    assert e.value.message == (
+        "X-Run-Max-Steps: run r has used all 2 steps; the run is over — start a new run to continue"
+    )
+    with pytest.raises(BudgetExceeded) as e:
+        decide_step(run(caps=RunCaps(max_usd_nanos=1)), step(fixed_usd_nanos=5000))
+    assert e.value.message.endswith(
+        "(100 input tokens at most + 1 output tokens of m + $0.000005000 of fees). The run is out of "
+        "budget: end it or start a new run."
+    ), e.value.message
