@@ -67,7 +67,8 @@ TARGETS: dict[str, Target] = {
     ),
     "ledger-rules": Target(
         "proxy/ledger/base.py",
-        ("tests/test_ledger_contract.py", "-k", "sqlite"),
+        # (-k also matches module names: every test of test_ledger_rules.py is in)
+        ("tests/test_ledger_rules.py", "tests/test_ledger_contract.py", "-k", "sqlite or test_ledger_rules"),
         functions=(
             "x_apply_*",
             "x_new_run*",
@@ -94,7 +95,16 @@ TARGETS: dict[str, Target] = {
     ),
     "budget": Target(
         "proxy/server/budget.py",
-        ("tests/test_caps.py",),
+        # (the allow-list, unmetered endpoints and the retried settlement: test_budget_step.py;
+        # the refusals of unmetered endpoints under each cap: the trust-boundary tests named)
+        (
+            "tests/test_caps.py",
+            "tests/test_budget_step.py",
+            "tests/test_trust_boundary.py::test_unmetered_posts_are_refused_under_a_dollar_or_token_cap",
+            "tests/test_trust_boundary.py::test_reads_that_could_be_writes_are_not_reads",
+            "tests/test_trust_boundary.py::test_without_caps_unmetered_endpoints_pass_through",
+            "tests/test_trust_boundary.py::test_operator_allow_list",
+        ),
         what="the budget step (reserve, clamp, settle, final step)",
     ),
     "idempotency": Target(
@@ -139,6 +149,16 @@ EQUIVALENT: dict[str, str] = {
     ),
     "proxy.server.upstream_url.xǁBaseǁparse__mutmut_9": '"".split("/") is [""], joined back to ""',
     "proxy.server.upstream_url.xǁBaseǁtarget__mutmut_16": "yarl drops an empty query's bare '?'",
+    # the ledger's rules
+    "proxy.ledger.base.x_begin_unledgered_step__mutmut_3": (
+        "the new run made without its task: decide_step's merge_caps sets the request's task on a "
+        "run that has none"
+    ),
+    "proxy.ledger.base.x__reserve__mutmut_90": "capped = None: falsy like False, only read as a truth value",
+    "proxy.ledger.base.x__reserve__mutmut_135": (
+        "-2 for -1 when the input alone is not affordable: either is below every useful minimum (>= 0), "
+        "so the call is refused the same"
+    ),
     # hashing (idempotency)
     "proxy.hashing.x_args_hash__mutmut_10": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',
     "proxy.hashing.x_canonical_json__mutmut_19": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',
