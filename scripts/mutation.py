@@ -56,18 +56,34 @@ class Target:
 TARGETS: dict[str, Target] = {
     "auth": Target(
         "proxy/server/auth.py",
-        ("tests/app/test_admin_auth.py", "tests/app/test_trust_boundary.py", "-k", "token or tenant or admin"),
+        (
+            "tests/app/test_admin_auth.py",
+            "tests/app/test_trust_boundary.py",
+            "-k",
+            "token or tenant or admin",
+        ),
         what="admin token and client tokens",
     ),
     "url": Target(
         "proxy/upstream_url.py",
         # (-k also matches module names: every test of test_upstream_url.py is in)
-        ("tests/unit/test_upstream_url.py", "tests/app/test_trust_boundary.py", "-k", "url or path or segment"),
+        (
+            "tests/unit/server/test_upstream_url.py",
+            "tests/app/test_trust_boundary.py",
+            "-k",
+            "url or path or segment",
+        ),
         what="the upstream URL builder",
     ),
     "ledger-rules": Target(
         "proxy/ledger/base.py",
-        ("tests/unit/ledger/test_ledger_contract.py", "-k", "sqlite"),
+        # (-k also matches module names: every test of test_ledger_rules.py is in)
+        (
+            "tests/unit/ledger/test_ledger_rules.py",
+            "tests/unit/ledger/test_ledger_contract.py",
+            "-k",
+            "sqlite or test_ledger_rules",
+        ),
         functions=(
             "x_apply_*",
             "x_new_run*",
@@ -88,13 +104,27 @@ TARGETS: dict[str, Target] = {
     "context": Target(
         "proxy/server/steps/context.py",
         # (the span-recording test needs the embedded span store, which mutmut's forked runs lack)
-        ("tests/app/test_context_cap_oracle.py", "tests/app/test_context_signal.py", "-k", "not spans_metrics"),
+        (
+            "tests/app/test_context_cap_oracle.py",
+            "tests/app/test_context_signal.py",
+            "-k",
+            "not spans_metrics",
+        ),
         functions=("x_text_words*", "x__has_unread*", "x_measure*", "xǁContextStepǁrequest*"),
         what="the context step's measure and cap",
     ),
     "budget": Target(
         "proxy/server/steps/budget.py",
-        ("tests/app/test_caps.py",),
+        # (the allow-list, unmetered endpoints and the retried settlement: test_budget_step.py;
+        # the refusals of unmetered endpoints under each cap: the trust-boundary tests named)
+        (
+            "tests/app/test_caps.py",
+            "tests/app/test_budget_step.py",
+            "tests/app/test_trust_boundary.py::test_unmetered_posts_are_refused_under_a_dollar_or_token_cap",
+            "tests/app/test_trust_boundary.py::test_reads_that_could_be_writes_are_not_reads",
+            "tests/app/test_trust_boundary.py::test_without_caps_unmetered_endpoints_pass_through",
+            "tests/app/test_trust_boundary.py::test_operator_allow_list",
+        ),
         what="the budget step (reserve, clamp, settle, final step)",
     ),
     "idempotency": Target(
@@ -111,7 +141,11 @@ TARGETS: dict[str, Target] = {
         "proxy/spans/sqlguard.py",
         # (the query-file and dashboard comparisons fail in mutmut's copy of the tree; the rest
         # is the guard's own table)
-        ("tests/system/test_admin_sql_guard.py", "-k", "not clickhouse_server and not query_file and not dashboard"),
+        (
+            "tests/system/test_admin_sql_guard.py",
+            "-k",
+            "not clickhouse_server and not query_file and not dashboard",
+        ),
         what="what /admin/sql lets through",
     ),
 }
@@ -139,6 +173,16 @@ EQUIVALENT: dict[str, str] = {
     ),
     "proxy.upstream_url.xǁBaseǁparse__mutmut_9": '"".split("/") is [""], joined back to ""',
     "proxy.upstream_url.xǁBaseǁtarget__mutmut_16": "yarl drops an empty query's bare '?'",
+    # the ledger's rules
+    "proxy.ledger.base.x_begin_unledgered_step__mutmut_3": (
+        "the new run made without its task: decide_step's merge_caps sets the request's task on a "
+        "run that has none"
+    ),
+    "proxy.ledger.base.x__reserve__mutmut_90": "capped = None: falsy like False, only read as a truth value",
+    "proxy.ledger.base.x__reserve__mutmut_135": (
+        "-2 for -1 when the input alone is not affordable: either is below every useful minimum (>= 0), "
+        "so the call is refused the same"
+    ),
     # hashing (idempotency)
     "proxy.hashing.x_args_hash__mutmut_10": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',
     "proxy.hashing.x_canonical_json__mutmut_19": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',

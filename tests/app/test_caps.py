@@ -182,7 +182,9 @@ async def test_deadline_cuts_a_stalled_upstream(runcap, upstream):  # type: igno
     elapsed = time.monotonic() - t0
     assert e.value.status_code == 504 and err(e.value)["type"] == "run_deadline_exceeded"
     assert e.value.response.headers["x-should-retry"] == "false"
-    assert 0.45 <= elapsed < 5  # cut at the deadline, not at the upstream's 30 s (loose: shared machine)
+    # Cut by the run's deadline (the type says so, and the upstream saw the disconnect below), not
+    # before it; the upper bound is a liveness guard at 10x the deadline (the upstream takes 30 s).
+    assert 0.45 <= elapsed < 10 * 0.5
     assert upstream.hits() == 1  # not retried
     for _ in range(50):  # the upstream saw the disconnect
         if upstream.last.disconnected:

@@ -4,7 +4,8 @@ connections at theirs, one connection over the per-client cap is refused (503) â
 requests, long streams and slow upstream answers go on as before.
 
 Everything stays on 127.0.0.1 and is bounded: 120 slow-header and 40 slow-body connections, 8
-normal clients of 25 calls each, every wait capped. Timings are asserted with generous margins.
+normal clients of 25 calls each, every wait capped. What closed a connection is asserted by runcap's
+answer and counters, not by a stopwatch (only lower bounds: never before the timer).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
 KEEPALIVE_TIMEOUT_S = 3.0
 MAX_PER_CLIENT = 200
-SLACK_S = 8.0  # a busy 2-core machine (the whole suite running) may fire a timer late, never early
+SLACK_S = 8.0  # liveness: a busy 2-core machine may fire a timer late, never early
 TRICKLE_S = 0.25
 
 
@@ -150,20 +151,23 @@ async def test_slow_clients_are_cut_and_normal_ones_keep_their_latency(upstream,
         )
         header_closes, body_closes, during, fine, idle = results
 
-        # Measured from the client's side, whose own clock starts after its connect returns (late
-        # on a loaded machine): bounds are loose both ways; the server's timers are exact.
+        # Which timer closed each connection, its answer says (a trickle of a byte every 0.25 s
+        # keeps a per-read timer from ever firing: that bug ends in closed_after's liveness guard).
+        # Not before its timer: a lower bound only, which a loaded machine cannot break; how
+        # late a timer fires on a busy machine is no property of runcap.
         for took, answer in header_closes:
             assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
-            assert HEADER_TIMEOUT_S * 0.5 <= took < HEADER_TIMEOUT_S + SLACK_S, took
+            assert answer.endswith(b"the request's headers took too long to send\n"), answer
+            assert HEADER_TIMEOUT_S * 0.5 <= took, took
         for took, answer in body_closes:
             assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
-            assert BODY_TIMEOUT_S * 0.5 <= took < BODY_TIMEOUT_S + SLACK_S, took
-        assert KEEPALIVE_TIMEOUT_S * 0.5 <= idle < KEEPALIVE_TIMEOUT_S + SLACK_S, idle
+            assert answer.endswith(b"the request's body took too long to send\n"), answer
+            assert BODY_TIMEOUT_S * 0.5 <= took, took
+        assert KEEPALIVE_TIMEOUT_S * 0.5 <= idle, idle  # closed by idle_closed_after's bounded wait
         assert fine == (200, 200)
-        # Normal requests were all answered (normal_calls asserts 200) and not stalled behind the
-        # slow connections: asserted very loosely (no timed assertions on a shared machine; the
-        # latency itself is reported below and measured by the benchmarks).
-        assert p99(during) < 10.0
+        # Normal requests were all answered (normal_calls asserts 200, each within its client's
+        # 30 s liveness timeout) while the slow connections were open; their latency is reported
+        # below, not asserted (a timing on a shared machine).
         ms = [
             1000 * x for x in (statistics.median(before), p99(before), statistics.median(during), p99(during))
         ]

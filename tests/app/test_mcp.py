@@ -28,6 +28,7 @@ from proxy.config import ConfigError, build_config
 from tests.conftest import REPO, RuncapProcess, free_port
 from tests.support.mcp_agent import FLAGS, mcp_config, rid, session  # noqa: F401
 from tests.support.mcp_server import MCPServerProcess
+from tests.support.redis_server import wait_subscribed
 
 
 def executions(server: MCPServerProcess, tool: str, **args: Any) -> list[dict[str, Any]]:
@@ -190,7 +191,8 @@ async def test_cancel_on_one_replica_reaches_a_call_on_another(
     cfg = mcp_config(server, redis_url=redis_server.url)
     a = await runcap_factory(cfg, data_dir=tmp_path / "a")
     b = await runcap_factory(cfg, data_dir=tmp_path / "b")
-    await asyncio.sleep(0.2)  # subscribers up
+    # Both replicas listen for cancels: the readiness signal, not a sleep that hopes so.
+    await wait_subscribed(redis_server.url, a.ledger.backend.cancel_channel, 2)
     await _cancel_in_flight(server, f"{b.url}/mcp/crm", a, rid("cxr"))
 
 

@@ -196,22 +196,25 @@ async def test_metrics_count_tool_calls(runcap_factory, tool):  # type: ignore[n
 async def test_tool_past_the_deadline_gets_the_error_at_the_deadline(runcap_factory, tool):  # type: ignore[no-untyped-def]
     rc = await runcap_factory(tools_config(tool))
     run = rid("dl")
-    t0 = time.monotonic()
+    t0, sent_at = time.monotonic(), time.time()
     s, h, body = await call(
         f"{rc.url}/tools/refund",
         run,
         {"order_id": "d", "amount": 1, "sleep_s": 30},
         headers={"X-Run-Timeout": "1"},
     )
-    elapsed = time.monotonic() - t0
+    elapsed, answered_at = time.monotonic() - t0, time.time()
+    # Cut by the run's deadline (the type says so; the tool sees the disconnect below), not before
+    # it; the upper bound is a liveness guard at 10x the deadline (the tool sleeps 30 s).
     assert s == 504 and body["error"]["type"] == "run_deadline_exceeded" and h["x-should-retry"] == "false"
-    assert 0.8 <= elapsed < 3.0  # at the deadline, not at the tool's 30 s
+    assert 0.8 <= elapsed < 10
     hit = tool.hits[0]
     remaining_ms = int(hit.headers["x-run-remaining-ms"])
-    assert 500 < remaining_ms <= 1000
+    assert 0 < remaining_ms <= 1000
     deadline = datetime.fromisoformat(hit.headers["x-run-deadline"].replace("Z", "+00:00"))
     assert hit.headers["x-run-deadline"].endswith("Z") and "." in hit.headers["x-run-deadline"]
-    assert abs(deadline.timestamp() - time.time()) < 3
+    # The deadline forwarded is the run's: 1 s after runcap got the call, which was in between.
+    assert sent_at + 1 - 0.001 <= deadline.timestamp() <= answered_at + 1 + 0.001
     await wait_for(lambda: hit.disconnected)  # the tool saw the connection drop
     assert (await rc.run(run))["status"] == "deadline_exceeded"
 
@@ -219,9 +222,9 @@ async def test_tool_past_the_deadline_gets_the_error_at_the_deadline(runcap_fact
 async def test_tool_timeout_then_409_until_reconciled(runcap_factory, tool):  # type: ignore[no-untyped-def]
     rc = await runcap_factory(tools_config(tool))
     run = rid("to")
-    t0 = time.monotonic()
+    # Cut by the tool's timeout (0.5 s): the type says so; the tool would answer 200 after 10 s.
     s, _, body = await call(f"{rc.url}/tools/slow", run, {"sleep_s": 10})
-    assert s == 504 and body["error"]["type"] == "tool_timeout" and time.monotonic() - t0 < 3
+    assert s == 504 and body["error"]["type"] == "tool_timeout"
     await wait_for(lambda: tool.hits[0].disconnected)
     s, h, body = await call(f"{rc.url}/tools/slow", run, {"sleep_s": 10})
     assert (
@@ -267,7 +270,6 @@ async def _cancel_scenario(rc_call, rc_cancel, tool, upstream, run: str) -> None
     )
     await wait_for(lambda: tool.executions == 1)
     await asyncio.sleep(0.1)
-    t0 = time.monotonic()
     admin = rc_cancel.admin
     async with aiohttp.ClientSession() as s, s.post(f"{rc_cancel.url}/runs/{run}/cancel", headers=admin) as r:
         assert r.status == 200 and (await r.json())["status"] == "cancelled"
@@ -278,8 +280,9 @@ async def _cancel_scenario(rc_call, rc_cancel, tool, upstream, run: str) -> None
     # The stream ends with runcap's error event naming the cancel, not a cut connection.
     assert type(e.value) is openai.APIError and "cancel" in e.value.message.lower(), repr(e.value)
     await wait_for(lambda: tool.hits[0].disconnected, 3)
+    # Promptly: the waits above are liveness guards (the tool sleeps 30 s, the stream lasts 10 s);
+    # that the cancel came by the pub/sub push, not the poll, the cross-replica test asserts.
     await wait_for(lambda: upstream.last.disconnected, 3)
-    assert time.monotonic() - t0 < 3.0  # promptly
     for rc in (rc_call, rc_cancel):
         s, _, body = await call(f"{rc.url}/tools/refund", run, {"order_id": "new", "amount": 2})
         assert s == 410
@@ -403,9 +406,7 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
         assert listed.returncode == 0, listed.stderr
         rows = json.loads(listed.stdout)
         assert {r["state"] for r in rows} == {"unknown"} and len(rows) == 2
-        assert all(
-            r["run_id"] == run and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows
-        )
+        assert all(r["run_id"] == run and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows)
         table = cli(*at)
         assert "run_id" in table.stdout and "unknown" in table.stdout
         # The tool saw each call's key.

@@ -9,7 +9,6 @@ request target it received, so each test can say exactly what reached an upstrea
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import stat
@@ -24,7 +23,6 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from yarl import URL
 
 from proxy.caps import parse_run_headers
 from proxy.config import CapsConfig, build_config
@@ -32,10 +30,8 @@ from proxy.errors import InvalidRequest
 from proxy.providers.registry import adapter_for, free_endpoint
 from proxy.server.auth import ADMIN_TOKEN_FILE
 from proxy.upstream_url import Base, UnsafePath, remaining_segments
+from tests.support.stub_upstream import CHAT, OPERATOR_KEY, send, stub_config
 from tests.support.tool_service import ToolService
-
-CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
-OPERATOR_KEY = "sk-operator-secret"
 
 
 @pytest.fixture
@@ -45,47 +41,9 @@ async def stub() -> AsyncIterator[ToolService]:
     await svc.stop()
 
 
-def stub_config(svc: ToolService, **extra: Any) -> dict[str, Any]:
-    """Every upstream and tool points at the recording stub, each under a base path of its own."""
-    return {
-        "upstreams": {
-            "openai": {"url": f"{svc.url}/oa"},
-            "anthropic": {"url": f"{svc.url}/an"},
-            "local": {"url": f"{svc.url}/loc", "api_key_env": "LOCAL_KEY"},
-        },
-        "tools": {
-            "refund": {
-                "url": f"{svc.url}/refund",
-                "side_effects": True,
-                "headers": {"Authorization": "Bearer tool-own-credential"},
-            },
-            "lookup": {"url": f"{svc.url}/lookup", "forward_headers": ["Authorization"]},
-        },
-        **extra,
-    }
-
-
 @pytest.fixture
 async def rc(runcap_factory, stub):  # type: ignore[no-untyped-def]
     return await runcap_factory(stub_config(stub), env={"LOCAL_KEY": OPERATOR_KEY})
-
-
-async def send(
-    url: str, method: str = "POST", *, headers: dict[str, str] | None = None, body: Any = CHAT
-) -> tuple[int, dict[str, str], Any]:
-    """Send exactly `url` (already encoded: the client must not normalise it)."""
-    data = json.dumps(body).encode() if body is not None else None
-    h = {"Content-Type": "application/json", **(headers or {})}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.request(method, URL(url, encoded=True), data=data, headers=h) as r,
-    ):
-        raw = await r.read()
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = raw
-        return r.status, dict(r.headers), parsed
 
 
 def error_of(body: Any) -> dict[str, Any]:

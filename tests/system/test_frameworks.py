@@ -23,6 +23,7 @@ The Vercel AI SDK runs in node (`tests/node/`, installed by `scripts/setup.sh`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import aiohttp
 import anthropic
@@ -326,9 +328,20 @@ LITELLM_TOOLS = [
 ]
 
 
+@contextlib.contextmanager
+def litellm_offline() -> Iterator[None]:
+    """LiteLLM fetches its model price map from the network unless told not to, and reads the
+    variable at import and later: set for the LiteLLM calls only, restored after (no leak)."""
+    with mock.patch.dict(os.environ, {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}):
+        yield
+
+
 async def litellm_client(stack: Stack, headers: dict[str, str]) -> str:
-    # LiteLLM fetches its model price map from the network at import unless told not to.
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    with litellm_offline():
+        return await _litellm_loop(stack, headers)
+
+
+async def _litellm_loop(stack: Stack, headers: dict[str, str]) -> str:
     import litellm
 
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
@@ -425,8 +438,8 @@ def _fw(
 
 
 def _litellm_error() -> type[BaseException]:
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
+    with litellm_offline():
+        import litellm
 
     return litellm.exceptions.APIError  # type: ignore[no-any-return]
 
@@ -480,9 +493,7 @@ def framework(request: pytest.FixtureRequest) -> Framework:
                 "SKIPPED LOUDLY: node is not installed — scripts/setup.sh installs nodejs for the test extra"
             )
         if not (NODE_DIR / "node_modules" / "ai").is_dir():
-            missing(
-                "SKIPPED LOUDLY: the Vercel AI SDK is not installed in tests/node — run scripts/setup.sh"
-            )
+            missing("SKIPPED LOUDLY: the Vercel AI SDK is not installed in tests/node — run scripts/setup.sh")
     return fw
 
 

@@ -11,7 +11,10 @@
 4. a full disk under the SQLite ledger is the same 503, runcap keeps answering what it can and
    recovers by itself when space returns.
 
-Every load loop is bounded in calls and time; timings are asserted with generous margins.
+Every load loop is bounded in calls and time. "Within the ledger timeout" is asserted by its
+mechanism — the refusal's code says the guard's timeout cut the call (`ledger_timeout`), and a
+request waited for the ledger once (the guard's count of operations that waited) — not by a stopwatch;
+the only clock left is a liveness bound at 10x the timeout, so a hang fails with a clear message.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ from tests.support.tool_service import ToolService
 MODEL = "fault-model"
 PRICES = {"prices": {MODEL: {"input_mtok": 1.0, "output_mtok": 2.0}}}
 LEDGER_TIMEOUT_S = 1.0
-# What "within the ledger timeout" may take on a busy 2-core machine: the timeout plus slack.
-ANSWER_SLACK_S = 2.5
+# A liveness guard, not a speed claim: an answer later than 10x the ledger timeout hung (the
+# guard did not cut the call); how fast an answer comes is bench/ledger_bench.py's business.
+LIVENESS_S = 10 * LEDGER_TIMEOUT_S
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=60)
 
 
@@ -63,6 +67,7 @@ class Answer:
     headers: dict[str, str]
     started: float
     elapsed: float
+    message: str = ""
 
 
 async def chat(session: aiohttp.ClientSession, base_url: str, run_id: str, script: str = "work") -> Answer:
@@ -78,11 +83,18 @@ async def chat(session: aiohttp.ClientSession, base_url: str, run_id: str, scrip
         raw = await r.read()
         status, got = r.status, {k.lower(): v for k, v in r.headers.items()}
     error_type = error_code = None
+    message = ""
     if status != 200:
         with contextlib.suppress(ValueError, KeyError, TypeError):
             error = json.loads(raw)["error"]
-            error_type, error_code = error["type"], error["code"]
-    return Answer(run_id, status, error_type, error_code, got, t0, time.monotonic() - t0)
+            error_type, error_code, message = error["type"], error["code"], error["message"]
+    return Answer(run_id, status, error_type, error_code, got, t0, time.monotonic() - t0, message)
+
+
+def withheld(a: Answer) -> bool:
+    """A call made and charged whose answer runcap withheld: its span log had no room for its
+    record within wal_hold_ms (proxy/server/steps/trace.py). It reached the upstream."""
+    return a.status == 503 and "its answer was withheld" in a.message
 
 
 def is_ledger_503(a: Answer) -> bool:
@@ -180,9 +192,14 @@ async def test_settlements_the_ledger_missed_are_retried_until_it_takes_them(  #
     # The agent gets its paid-for answers; the reservations hold the worst case meanwhile.
     assert [a.status for a in answers] == [200] * 8
     assert unsettled(rc) == 8
-    assert metric_total(rc, "runcap_settle_failures_total") >= 8
+    failures = metric_total(rc, "runcap_settle_failures_total")
+    assert failures >= 8
     assert "settlement not taken" in caplog.text
-    await asyncio.sleep(1.0)  # a few background retries fail too
+
+    async def retried() -> bool:  # a positive marker before the negative check below
+        return metric_total(rc, "runcap_settle_failures_total") > failures
+
+    await wait_until(retried, 20, "a background retry of the settlements (failing: Redis is down)")
     assert unsettled(rc) == 8
 
     await asyncio.to_thread(redis_persistent.start)
@@ -241,6 +258,7 @@ async def test_books_close_after_redis_stop_kill_and_freeze_under_load(  # type:
             await asyncio.to_thread(redis_persistent.start)
             await asyncio.sleep(1.5)
             redis_persistent.freeze()
+            marks["frozen"] = time.monotonic()
             await asyncio.sleep(0.5)
             await probe("frozen")
             await asyncio.sleep(2.5)
@@ -261,8 +279,12 @@ async def test_books_close_after_redis_stop_kill_and_freeze_under_load(  # type:
     refused = [x for x in answers if x.status == 503]
     ok = [x for x in answers if x.status == 200]
     assert refused and ok
+    # Refused because Redis was down (stopped, killed) or cut by the guard's timeout (frozen).
+    assert {x.error_code for x in refused} <= {"ledger_unreachable", "ledger_timeout"}, refused[:3]
+    frozen = [x for x in answers if marks["frozen"] < x.started < marks["thawed"] - LEDGER_TIMEOUT_S]
+    assert frozen and {x.error_code for x in frozen} == {"ledger_timeout"}, frozen[:3]
     slowest = max(x.elapsed for x in refused)
-    assert slowest < LEDGER_TIMEOUT_S + ANSWER_SLACK_S, slowest
+    assert slowest < LIVENESS_S, f"a refused call took {slowest:.1f} s: it hung"
     assert any(x.status == 200 and x.started > marks["thawed"] + 1.0 for x in answers)  # back by itself
     # Never a call forwarded unmetered: the upstream saw exactly the calls answered 200.
     assert forwarded(upstream, runs) == len(ok)
@@ -274,7 +296,8 @@ async def test_books_close_after_redis_stop_kill_and_freeze_under_load(  # type:
         else:
             assert status == 503 and body["ledger"] == "redis", (label, body)
             assert body["reason"] in ("ledger_unreachable", "ledger_timeout"), body
-            assert took < LEDGER_TIMEOUT_S + ANSWER_SLACK_S, (label, took)
+            assert label != "frozen" or body["reason"] == "ledger_timeout", body  # the probe was cut
+            assert took < LIVENESS_S, (label, took)  # liveness only: the reason says it was cut
     assert (await get_json(f"{a.url}/healthz"))[0] == 200
 
     # 1. The books close: nothing left reserved or pending, and spend ≥ what the upstream billed.
@@ -486,10 +509,10 @@ async def test_writes_a_frozen_redis_ran_after_the_call_was_refused_are_released
             with pytest.raises(LedgerUnavailable) as refused:
                 await ledger.begin_step(step_request("doubt"))
             assert refused.value.code == "ledger_timeout" and refused.value.status == 503
-            t0 = time.monotonic()
-            with pytest.raises(LedgerUnavailable):  # the same request does not wait twice
+            with pytest.raises(LedgerUnavailable):  # the same request does not wait twice:
                 await ledger.get_run("doubt")
-            return time.monotonic() - t0
+            # ... it failed at once, without asking Redis (an operation that waited is counted).
+            return ledger.unavailable[("get_run", "ledger_timeout")]
 
         async def refused_tool_call() -> None:
             with pytest.raises(LedgerUnavailable):
@@ -502,7 +525,7 @@ async def test_writes_a_frozen_redis_ran_after_the_call_was_refused_are_released
             )
         finally:
             redis_persistent.thaw()
-        assert again < LEDGER_TIMEOUT_S / 2
+        assert again == 0 and ledger.unavailable[("begin_step", "ledger_timeout")] == 1
         assert ledger.pending.by_kind() == {"release": 1, "tool_release": 1}
         # Redis, awake, ran both writes it had received (nobody retries them: not started yet).
         await asyncio.sleep(0.5)
@@ -554,12 +577,15 @@ async def test_unavailable_redis_is_a_503_in_the_providers_shape_and_never_a_500
                     await asyncio.to_thread(redis_persistent.terminate)
                 else:
                     redis_persistent.freeze()
+                code = {"stopped": "ledger_unreachable", "frozen": "ledger_timeout"}[fault]
                 try:
                     openai_answer = await chat(s, rc.url, run)
                     assert is_ledger_503(openai_answer), openai_answer
-                    assert openai_answer.elapsed < LEDGER_TIMEOUT_S + ANSWER_SLACK_S
+                    # Refused for the fault's reason: unreachable, or cut by the guard's timeout
+                    # (that a request waits once, test_writes_a_frozen_redis_... asserts).
+                    assert openai_answer.error_code == code, openai_answer
+                    assert openai_answer.elapsed < LIVENESS_S, openai_answer.elapsed
 
-                    t0 = time.monotonic()
                     async with s.post(
                         f"{rc.url}/anthropic/v1/messages",
                         json={"model": "claude-sonnet-4-5", "max_tokens": 50,
@@ -570,7 +596,6 @@ async def test_unavailable_redis_is_a_503_in_the_providers_shape_and_never_a_500
                         assert r.status == 503 and r.headers["x-should-retry"] == "true", body
                         assert body["type"] == "error" and body["error"]["type"] == "ledger_unavailable"
                         assert "redis" in body["error"]["message"]
-                    assert time.monotonic() - t0 < LEDGER_TIMEOUT_S + ANSWER_SLACK_S
 
                     async with s.post(
                         f"{rc.url}/tools/refund", json={"order_id": 1}, headers={"X-Run-Id": run}
@@ -581,7 +606,8 @@ async def test_unavailable_redis_is_a_503_in_the_providers_shape_and_never_a_500
 
                     status, ready, took = await get_json(f"{rc.url}/readyz")
                     assert status == 503 and ready["ledger"] == "redis" and ready["reason"], ready
-                    assert took < LEDGER_TIMEOUT_S + ANSWER_SLACK_S
+                    assert ready["reason"] == code, ready
+                    assert took < LIVENESS_S, took
                     assert (await get_json(f"{rc.url}/healthz"))[0] == 200
                 finally:
                     if fault == "stopped":
@@ -668,7 +694,7 @@ async def test_full_disk_is_a_503_and_runcap_recovers_when_space_returns(  # typ
         await asyncio.gather(*(client(i) for i in range(8)))
         status, ready, took = await get_json(f"{rc.url}/readyz")
         assert status == 503 and ready["ledger"] == "sqlite" and ready["reason"] == "ledger_disk_full", ready
-        assert took < LEDGER_TIMEOUT_S + ANSWER_SLACK_S
+        assert took < LIVENESS_S, took  # liveness only
         # What runcap can answer, it answers: health, metrics, and admin reads of the ledger.
         assert (await get_json(f"{rc.url}/healthz"))[0] == 200
         status, run_state, _ = await get_json(f"{rc.url}/runs/{runs[0]}", rc.admin)
@@ -681,7 +707,10 @@ async def test_full_disk_is_a_503_and_runcap_recovers_when_space_returns(  # typ
         refused = [x for x in answers if x.status == 503]
         assert refused, "the full disk never reached the ledger"
         assert {x.error_code for x in refused} == {"ledger_disk_full"}
-        assert max(x.elapsed for x in refused) < LEDGER_TIMEOUT_S + ANSWER_SLACK_S
+        # Refused by the ledger: at once (liveness only); a withheld answer waits wal_hold_ms
+        # (5 s) for room in the WAL first, within the client's 60 s timeout.
+        by_ledger = [x for x in refused if not withheld(x)]
+        assert not by_ledger or max(x.elapsed for x in by_ledger) < LIVENESS_S, "a refused call hung"
 
         os.remove(filler)  # space returns: runcap recovers by itself
 
@@ -706,6 +735,10 @@ async def test_full_disk_is_a_503_and_runcap_recovers_when_space_returns(  # typ
         over.append(state.spent_usd_nanos - truth_nanos(upstream, run))
     print(
         f"\ndisk full: {len(answers)} answers, {len(refused)} x 503 (slowest "
-        f"{max(x.elapsed for x in refused):.3f} s), spent - truth per run (nanos): {over}"
+        f"{max(x.elapsed for x in refused):.3f} s, {sum(map(withheld, refused))} withheld), "
+        f"spent - truth per run (nanos): {over}"
     )
-    assert forwarded(upstream, runs) == sum(1 for x in answers if x.status == 200) + 2 * len(runs)
+    # Never a call forwarded unmetered: the upstream saw the calls answered 200, and those made
+    # and charged whose answer was withheld — never one the ledger refused.
+    made = sum(1 for x in answers if x.status == 200 or withheld(x))
+    assert forwarded(upstream, runs) == made + 2 * len(runs)

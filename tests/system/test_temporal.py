@@ -397,15 +397,14 @@ async def test_cancelling_the_workflow_cancels_the_run_and_cuts_the_tool_call(  
             id=run_id, task_queue=queue,
         )  # fmt: skip
         await wait_for(lambda: tool.executions == 1, 20)
-        t0 = time.monotonic()
         await handle.cancel()
+        # The waits are liveness guards, together well under the tool's 30 s; that the cancel cut
+        # the tool call, the disconnect and the unfinished hit below say.
         with pytest.raises(WorkflowFailureError) as failed:
             await asyncio.wait_for(handle.result(), 20)
         await wait_for(lambda: tool.hits[0].disconnected, 5)
-        elapsed = time.monotonic() - t0
     await activities.aclose()
     assert isinstance(failed.value.cause, CancelledError)
-    assert elapsed < 10  # well before the tool's 30 s
     state = await rc.run(run_id)
     assert state["status"] == "cancelled"
     assert tool.executions == 1 and not tool.hits[0].finished

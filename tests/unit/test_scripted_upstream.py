@@ -428,7 +428,8 @@ async def test_delay_step_and_in_flight(scripted: ScriptedUpstream, oai: openai.
         ]
     )
     assert [r.choices[0].message.content for r in results] == ["late"] * 5
-    assert 0.2 <= time.monotonic() - started < 1.0
+    assert time.monotonic() - started >= 0.2  # the delay is kept
+    # ... by the five at once, not one after the other (which took 1 s): the upstream saw them so.
     assert scripted.max_in_flight == 5 and scripted.in_flight == 0
 
 
@@ -511,15 +512,14 @@ async def test_drop_after_events_cuts_the_connection(
 
 
 async def test_stop_does_not_wait_for_stalled_streams() -> None:
-    upstream = ScriptedUpstream(SCRIPTS)
+    # A stream stalled for 10 minutes: a stop that waited for it fails the liveness guard.
+    upstream = ScriptedUpstream({**SCRIPTS, "stall-long": [{"text": "first second", "stall_s": 600.0}]})
     url = await upstream.start()
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(f"{url}/v1/chat/completions", json=body, headers=script("stall"))
+        resp = await session.post(f"{url}/v1/chat/completions", json=body, headers=script("stall-long"))
         await resp.content.readuntil(b"\n\n")
-        started = time.monotonic()
-        await upstream.stop()
-        assert time.monotonic() - started < 2
+        await asyncio.wait_for(upstream.stop(), 30)
         resp.close()
 
 
