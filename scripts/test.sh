@@ -7,4 +7,6 @@ bash scripts/setup.sh
 .venv/bin/ruff check proxy tests bench examples
 .venv/bin/lint-imports --no-cache   # the import layers (pyproject.toml [tool.importlinter])
 .venv/bin/mypy                      # types on proxy/ (pyproject.toml [tool.mypy])
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Both cores (pytest-xdist), a whole test file per worker: a file's module fixtures (MCP servers,
+# ClickHouse) start once. RUNCAP_TEST_WORKERS=0 runs in one process.
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${RUNCAP_TEST_WORKERS:-2}" --dist loadfile "$@"
