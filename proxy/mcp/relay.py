@@ -26,9 +26,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.caps import RunRequest
-from proxy.config import Config, MCPServerConfig
+from proxy.config import MCPServerConfig
 from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, UpstreamUnavailable
-from proxy.ledger.base import Ledger
 from proxy.mcp.reply import LiveReply, Reply, http_refusal
 from proxy.mcp.wire import (
     EVENT_STREAM,
@@ -43,14 +42,11 @@ from proxy.mcp.wire import (
     refusal,
     sse_event,
 )
-from proxy.server.flow import Flights
 from proxy.server.headers import response_headers
-from proxy.server.metrics import Metrics
 from proxy.server.outbound import release_or_drop
 from proxy.toolcall.clock import tool_clock
-from proxy.toolcall.ledger import ToolCallLedger
 from proxy.toolcall.outcome import ToolResponseTooLarge, read_bounded
-from proxy.toolcall.route import ToolClient
+from proxy.toolcall.route import ToolRoute
 from proxy.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.mcp")
@@ -91,21 +87,8 @@ class StreamEnd:
 
 
 class StreamableHTTPRelay:
-    def __init__(
-        self,
-        config: Config,
-        ledger: Ledger,
-        flights: Flights,
-        metrics: Metrics,
-        client: ToolClient,
-        calls: ToolCallLedger,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.flights = flights
-        self.metrics = metrics
-        self.client = client
-        self.calls = calls
+    def __init__(self, route: ToolRoute) -> None:
+        self.route = route  # the gateway's config, ledger, in-flight calls, metrics, tool client
         self._notices: set[asyncio.Task[None]] = set()  # notifications/cancelled being sent
 
     async def stop(self) -> None:
@@ -137,21 +120,21 @@ class StreamableHTTPRelay:
             started, state = time.time(), None
             if rid is not None and not run.generated:
                 # A request of a run: refused once the run is cancelled or past its deadline.
-                state = await self.calls.touch_run(run, started)
+                state = await self.route.calls.touch_run(run, started)
             # Also a message the ledger did not see (no X-Run-Id, a notification): its own caps.
             timeout = tool_clock(run, state, now=started).seconds
             if not run.generated:
-                self.flights.add(run.run_id, task, relayed)
+                self.route.flights.add(run.run_id, task, relayed)
             try:
                 async with asyncio.timeout(timeout):
-                    upstream = await self.client.request("POST", target.url, data=body, headers=headers)
+                    upstream = await self.route.client.request("POST", target.url, data=body, headers=headers)
                     end = await self.answer(upstream, reply, answer_headers, watch, rid)
                     if rid is not None:
                         upstream, end = await self.resume(target, headers, reply, watch, rid, upstream, end)
             except TimeoutError:
                 self.cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
                 if not run.generated:
-                    await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                    await self.route.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
                 raise DeadlineExceeded(
                     f"run {run.run_id} reached its deadline during {method} on MCP server {server.name!r}; "
                     "the request was cancelled. End the run."
@@ -171,9 +154,9 @@ class StreamableHTTPRelay:
                 if upstream is not None:
                     release_or_drop(upstream)
                 if not run.generated:
-                    self.flights.remove(run.run_id, task)
+                    self.route.flights.remove(run.run_id, task)
         except Rejection as rej:
-            self.metrics.rejections.labels(rej.code or rej.type).inc()
+            self.route.metrics.rejections.labels(rej.code or rej.type).inc()
             if rid is None:
                 reply.refuse(rej, answer_headers)
             else:
@@ -183,7 +166,7 @@ class StreamableHTTPRelay:
         if isinstance(e, (ToolResponseTooLarge, EventTooLarge)):
             return UpstreamUnavailable(
                 f"MCP server {server.name!r} answered {method} with more than tool_max_response_bytes = "
-                f"{self.config.tool_max_response_bytes} bytes in one message",
+                f"{self.route.config.tool_max_response_bytes} bytes in one message",
                 code="tool_response_too_large",
                 param="tool_max_response_bytes",
             )
@@ -214,7 +197,7 @@ class StreamableHTTPRelay:
             async for chunk in upstream.content.iter_any():
                 await reply.event(chunk, None)
             return StreamEnd(answered=True)
-        data = await read_bounded(upstream, self.config.tool_max_response_bytes)
+        data = await read_bounded(upstream, self.route.config.tool_max_response_bytes)
         messages: list[dict[str, Any]] = []
         if ctype == JSON and data:
             try:
@@ -236,7 +219,7 @@ class StreamableHTTPRelay:
     async def _events(
         self, upstream: aiohttp.ClientResponse, reply: Reply, watch: Watch | None, rid: Any
     ) -> StreamEnd:
-        parser = SSEParser(self.config.tool_max_response_bytes)
+        parser = SSEParser(self.route.config.tool_max_response_bytes)
         end = StreamEnd(answered=False)
         async for chunk in upstream.content.iter_any():
             for event in parser.feed(chunk):
@@ -284,7 +267,7 @@ class StreamableHTTPRelay:
             again.popall("Content-Type", None)
             again["Accept"] = EVENT_STREAM
             again["Last-Event-ID"] = end.last_event_id
-            upstream = await self.client.request("GET", target.url, headers=again)
+            upstream = await self.route.client.request("GET", target.url, headers=again)
             ctype = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
             if upstream.status != 200 or ctype != EVENT_STREAM:
                 break
@@ -338,7 +321,8 @@ class StreamableHTTPRelay:
             out["Mcp-Method"] = "notifications/cancelled"
         try:
             async with asyncio.timeout(CANCEL_NOTICE_TIMEOUT_S):
-                async with self.client.request("POST", target.url, data=dumps(notice), headers=out) as answer:
+                send = self.route.client.request("POST", target.url, data=dumps(notice), headers=out)
+                async with send as answer:
                     await answer.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning(
@@ -366,19 +350,19 @@ class StreamableHTTPRelay:
         started, state = time.time(), None
         try:
             if request.method == "GET" and not run.generated:
-                state = await self.calls.touch_run(run, started)
+                state = await self.route.calls.touch_run(run, started)
             timeout = tool_clock(run, state, now=started).seconds
         except Rejection as rej:
-            self.metrics.rejections.labels(rej.code or rej.type).inc()
+            self.route.metrics.rejections.labels(rej.code or rej.type).inc()
             return http_refusal(rej, answer_headers)
         relayed = Relayed()
         if not run.generated:
-            self.flights.add(run.run_id, task, relayed)
+            self.route.flights.add(run.run_id, task, relayed)
         upstream: aiohttp.ClientResponse | None = None
         out: web.StreamResponse | None = None
         try:
             async with asyncio.timeout(timeout):
-                upstream = await self.client.request(request.method, target.url, headers=headers)
+                upstream = await self.route.client.request(request.method, target.url, headers=headers)
                 out = web.StreamResponse(status=upstream.status, headers=response_headers(upstream.headers))
                 out.headers.update(answer_headers)
                 await out.prepare(request)
@@ -397,7 +381,7 @@ class StreamableHTTPRelay:
             if upstream is not None:
                 release_or_drop(upstream)
             if not run.generated:
-                self.flights.remove(run.run_id, task)
+                self.route.flights.remove(run.run_id, task)
         if out is None:
             cut: Rejection = (
                 RunCancelled(f"run {run.run_id} was cancelled; start a new run to continue")

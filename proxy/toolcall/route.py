@@ -5,6 +5,8 @@ built on (`ToolRoute`), and the connection pool to tool services and MCP servers
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from proxy.config import Config
 from proxy.ledger.base import Ledger
 from proxy.server.auth import ClientAuth
@@ -25,26 +27,21 @@ class ToolClient(OutboundClient):
         super().__init__(keepalive_timeout_s=30, connect_timeout_s=10)
 
 
+@dataclass(eq=False)
 class ToolRoute:
     """What `/tools/{name}` (server/tools.py) and `/mcp/{name}` (proxy/mcp/) are built on: the
     ledger's side of a tool call, the shared tool-side pool, the span recorder, the client
-    tokens, and the in-flight calls a cancel can cut."""
+    tokens, and the in-flight calls a cancel can cut. A gateway that builds more parts does it
+    in `__post_init__` (after this one's)."""
 
-    def __init__(
-        self,
-        config: Config,
-        ledger: Ledger,
-        flights: Flights,
-        metrics: Metrics,
-        client: ToolClient,
-        recorder: SpanRecorder | None = None,
-        clients: ClientAuth | None = None,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.flights = flights
-        self.metrics = metrics
-        self.client = client
-        self.recorder: SpanRecorder = recorder or NullRecorder()
-        self.clients = clients or ClientAuth({})
-        self.calls = ToolCallLedger(ledger, metrics)
+    config: Config
+    ledger: Ledger
+    flights: Flights
+    metrics: Metrics
+    client: ToolClient
+    recorder: SpanRecorder = field(default_factory=NullRecorder)
+    clients: ClientAuth = field(default_factory=lambda: ClientAuth({}))
+    calls: ToolCallLedger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.calls = ToolCallLedger(self.ledger, self.metrics)
