@@ -203,6 +203,19 @@ class Settlement:
 
 
 @dataclass(frozen=True, slots=True)
+class Verdict:
+    """An operator's (or the tool path's) verdict on a tool call (`Ledger.resolve_tool_call`):
+    `done` with the outcome to replay, or not done (the record goes, the call is uncounted)."""
+
+    done: bool
+    now: float
+    status: int = 200
+    headers: dict[str, str] | None = None
+    body: bytes = b""
+    force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RecoveredReservation:
     run_id: str
     reservation_id: str
@@ -328,7 +341,6 @@ class Ledger(abc.ABC):
     ) -> list[IdempotencyRecord]:
         """Idempotency records, oldest first (for `runcap reconcile`)."""
 
-    @abc.abstractmethod
     async def resolve_tool_call(
         self,
         run_id: str,
@@ -346,6 +358,11 @@ class Ledger(abc.ABC):
         record may be resolved unless `force` (the tool path releasing its own `in_flight` record
         when the tool was never reached). Returns the record as it was; None when there is none.
         Raises `RecordNotUnknown` when the record is not `unknown`."""
+        return await self.apply_verdict(run_id, key, Verdict(done, now, status, headers, body, force))
+
+    @abc.abstractmethod
+    async def apply_verdict(self, run_id: str, key: str, verdict: Verdict) -> IdempotencyRecord | None:
+        """`resolve_tool_call` with its verdict as one value: what each backend implements."""
 
     # -- provider objects and the tenant that created each (server/tenant_objects.py) ----------
 

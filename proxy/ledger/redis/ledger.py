@@ -65,6 +65,7 @@ from proxy.ledger.base import (
     StepRequest,
     ToolCallRequest,
     ToolCallStart,
+    Verdict,
     apply_caps_change,
     apply_settlement,
     apply_unrecovery,
@@ -377,39 +378,28 @@ class RedisLedger(Ledger):
     ) -> list[IdempotencyRecord]:
         return await self._store.list_records(state, run_id, limit)
 
-    async def resolve_tool_call(
-        self,
-        run_id: str,
-        key: str,
-        *,
-        done: bool,
-        now: float,
-        status: int = 200,
-        headers: dict[str, str] | None = None,
-        body: bytes = b"",
-        force: bool = False,
-    ) -> IdempotencyRecord | None:
+    async def apply_verdict(self, run_id: str, key: str, verdict: Verdict) -> IdempotencyRecord | None:
         self._mine.pop((run_id, key), None)
         while True:
             record = await self.get_tool_call(run_id, key)
             if record is None:
                 return None
-            if record.state != UNKNOWN and not force:
+            if record.state != UNKNOWN and not verdict.force:
                 raise RecordNotUnknown(record)
             before = dataclasses.replace(record)
-            if done:
+            if verdict.done:
                 record.state, record.status, record.headers, record.body = (
                     COMPLETED,
-                    status,
-                    headers or {},
-                    body,
+                    verdict.status,
+                    verdict.headers or {},
+                    verdict.body,
                 )
-                record.updated_at, record.error = now, ""
+                record.updated_at, record.error = verdict.now, ""
                 if await self._store.write_record(before.state, record):
                     return before
                 continue
             if await self._store.write_record(before.state, None, delete=(run_id, key, record.owner)):
-                await self._refund_tool_call(run_id, now)
+                await self._refund_tool_call(run_id, verdict.now)
                 return before
 
     async def _refund_tool_call(self, run_id: str, now: float) -> None:

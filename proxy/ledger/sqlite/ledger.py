@@ -52,6 +52,7 @@ from proxy.ledger.base import (
     StepRequest,
     ToolCallRequest,
     ToolCallStart,
+    Verdict,
     apply_caps_change,
     apply_settlement,
     apply_unrecovery,
@@ -325,29 +326,26 @@ class SQLiteLedger(Ledger):
         rows = self._db.execute(sql + " ORDER BY created_at LIMIT ?", (*args, limit)).fetchall()
         return [row_to_record(r) for r in rows]
 
-    async def resolve_tool_call(
-        self,
-        run_id: str,
-        key: str,
-        *,
-        done: bool,
-        now: float,
-        status: int = 200,
-        headers: dict[str, str] | None = None,
-        body: bytes = b"",
-        force: bool = False,
-    ) -> IdempotencyRecord | None:
+    async def apply_verdict(self, run_id: str, key: str, verdict: Verdict) -> IdempotencyRecord | None:
         with transaction(self._db) as db:
             record = load_record(self._db, run_id, key)
             if record is None:
                 return None
-            if record.state != UNKNOWN and not force:
+            if record.state != UNKNOWN and not verdict.force:
                 raise RecordNotUnknown(record)
-            if done:
+            if verdict.done:
                 db.execute(
                     "UPDATE tool_calls SET state = ?, status = ?, headers = ?, body = ?, updated_at = ?, "
                     "error = '' WHERE run_id = ? AND key = ?",
-                    (COMPLETED, status, json.dumps(headers or {}), body, now, run_id, key),
+                    (
+                        COMPLETED,
+                        verdict.status,
+                        json.dumps(verdict.headers or {}),
+                        verdict.body,
+                        verdict.now,
+                        run_id,
+                        key,
+                    ),
                 )
             else:
                 # It did not happen: the next attempt executes, and this one is not counted.
@@ -355,7 +353,8 @@ class SQLiteLedger(Ledger):
                 state = load_run(self._db, run_id)
                 if state is not None and state.tool_calls_executed > 0:
                     state.tool_calls_executed -= 1
-                    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+                    # argMax(updated_at) picks the newest
+                    state.updated_at = max(state.updated_at, verdict.now)
                     save_run(self._db, state)
             return record
 
