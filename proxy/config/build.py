@@ -31,6 +31,7 @@ from proxy.config.declare import (
 )
 from proxy.config.sections import (
     MIN_ADMIN_TOKEN_CHARS,
+    TOP_LEVEL_SECTIONS,
     CapsConfig,
     Config,
     ConnectionSettings,
@@ -54,8 +55,6 @@ DEFAULT_UPSTREAMS = {
     "anthropic": UpstreamConfig("anthropic", "https://api.anthropic.com", "anthropic"),
 }
 
-# Sections whose keys sit at the top level of the TOML, besides Config's own.
-TOP_LEVEL_SECTIONS = (ConnectionSettings, LedgerSettings, SpanSettings)
 # Tables, each read by its own parser below.
 TABLES = (
     "upstreams",
