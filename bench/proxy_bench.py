@@ -108,6 +108,18 @@ def added_ms(path: dict[str, Any], direct: dict[str, Any], prefix: str = "") -> 
     return {f"{prefix}added_{q}_ms": round(path[f"{q}_ms"] - direct[f"{q}_ms"], 3) for q in ("p50", "p99")}
 
 
+def emit(results: list[dict[str, Any]], row: dict[str, Any]) -> None:
+    """A row as it is measured: kept for the table and the --json file, and printed (JSON lines)."""
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def save_json(path: str | None, results: Any) -> None:
+    """The results to the --json file, when one was named."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per run (default 10)")
@@ -190,12 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if "floor" in row:
                     row["floor_throughput_ratio"] = round(f.achieved_rate / d.achieved_rate, 3)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            emit(results, row)
     finally:
         stop_all(procs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     _print_table(results)
     return 0
 
@@ -263,12 +273,10 @@ def compare_trees(args: argparse.Namespace) -> int:
                         for k in ("rate", "p50_ms", "p99_ms", "proxy_cpu_ms_per_req")
                     }
                     row[name]["rounds"] = [(run["rate"], run["proxy_cpu_ms_per_req"]) for run in runs]
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                emit(results, row)
     finally:
         stop_all(procs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     print()
     head = f"scenario (tracing {args.tracing})"
     print(f"{head:<36} {'req/s this/base':>16} {'CPU ms/req this/base':>21}", end=" ")

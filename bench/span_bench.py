@@ -55,7 +55,9 @@ from bench.proxy_bench import (
     ROOT,
     added_ms,
     cpu_s,
+    emit,
     free_port,
+    save_json,
     start,
     stop_all,
     summarize,
@@ -506,21 +508,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             payload_lane_run(ROOT, args.payload_lane, profile=True)
         row = bench_payload_lane(args.payload_lane, args.rounds, args.baseline and args.baseline.resolve())
-        if args.json:
-            Path(args.json).write_text(json.dumps([row], indent=2))
+        save_json(args.json, [row])
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="runcap-span-bench-"))
     results: list[dict[str, Any]] = []
     if not args.skip_ingest:
         for row in bench_ingestion(args.spans, args.batch_size, tmp):
-            print(json.dumps(row), flush=True)
-            results.append(row)
+            emit(results, row)
     if not args.skip_proxy:
         results += bench_proxy(args.duration, tmp, args.rounds)
     if args.baseline is not None:
         results.append(bench_baseline(args.duration, tmp, args.rounds, args.baseline.resolve()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     return 0
 
 
