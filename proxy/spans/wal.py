@@ -262,16 +262,7 @@ def read_frames(
                 if not sealed:
                     res.at_end = True
                     break
-                nxt = _resync(fd, pos + 1, limit)
-                if nxt is None:
-                    res.torn_bytes = limit - pos
-                    res.at_end = True
-                    break
-                res.damaged += 1
-                res.damaged_bytes += nxt - pos
-                pos = nxt
-                continue
-            if header_ok:
+            elif header_ok:
                 if end - base > len(buf):
                     base, rel = pos, 0
                     buf = memoryview(os.pread(fd, max(_READ_CHUNK, end - pos), pos))
@@ -281,7 +272,8 @@ def read_frames(
                     taken += HEADER_SIZE + length
                     pos = end
                     continue
-            # Damage (bad magic, length or checksum, or a header cut short).
+            # Damage (bad magic, length or checksum, a header cut short, or a sealed segment's
+            # incomplete frame).
             nxt = _resync(fd, pos + 1, limit)
             if nxt is None:
                 if sealed:
