@@ -81,6 +81,23 @@ def start(argv: list[str], port: int, what: str, log: Path) -> subprocess.Popen[
     return proc
 
 
+def start_upstream(log: Path) -> tuple[int, subprocess.Popen[bytes]]:
+    """The scripted upstream (`runcap mock-upstream`) on a free port: (the port, the process)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{port}"]
+    return port, start(argv, port, "upstream", log)
+
+
+def serve_argv(cfg: Path, up_port: int, port: int, data_dir: Path, tracing: bool) -> list[str]:
+    """`runcap serve` on `port` in front of the upstream at `up_port`, its config written to `cfg`."""
+    cfg.write_text(
+        f"log_requests = false\ntracing = {'true' if tracing else 'false'}\n"
+        f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+    )
+    serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
+    return [*serve, "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir)]
+
+
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
     """Stop the servers a benchmark started, last started first (SIGTERM, then SIGKILL)."""
     for proc in reversed(procs):
@@ -220,29 +237,17 @@ def compare_trees(args: argparse.Namespace) -> int:
     """This tree versus `args.baseline`, each its own `runcap serve` against one upstream."""
     tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
     trees = {"this": ROOT, "baseline": args.baseline.resolve()}
-    up_port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     results: list[dict[str, Any]] = []
     try:
-        procs.append(
-            start(
-                [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{up_port}"],
-                up_port,
-                "upstream",
-                tmp / "upstream.log",
-            )
-        )
+        up_port, upstream = start_upstream(tmp / "upstream.log")
+        procs.append(upstream)
         urls: dict[str, str] = {}
         pids: dict[str, int] = {}
         for name, tree in trees.items():
             port = free_port()
-            cfg = tmp / f"runcap-{name}.toml"
-            cfg.write_text(
-                f"log_requests = false\ntracing = {'true' if args.tracing == 'on' else 'false'}\n"
-                f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
-            )
-            serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
-            serve += ["--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp / f"data-{name}")]
+            cfg, data_dir = tmp / f"runcap-{name}.toml", tmp / f"data-{name}"
+            serve = serve_argv(cfg, up_port, port, data_dir, args.tracing == "on")
             proc = subprocess.Popen(
                 serve, cwd=tree, stdout=subprocess.DEVNULL, stderr=open(tmp / f"runcap-{name}.log", "ab")
             )
