@@ -429,6 +429,26 @@ def merge_caps(state: RunState, task: str, caps: RunCaps, now: float) -> None:
     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
 
 
+def apply_status(state: RunState, now: float, *, cancel: bool = False, status: str | None = None) -> None:
+    """A cancel (`Ledger.cancel`) or a terminal status seen outside a step (`Ledger.set_status`);
+    a cancelled run stays cancelled."""
+    if cancel:
+        state.cancelled = True
+        state.status = "cancelled"
+    elif status and state.status != "cancelled":
+        state.status = status
+    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+
+
+def touched_run(state: RunState | None, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    """The run a call that reserves nothing opens or updates (`Ledger.touch_run`), before
+    `check_live`: new, or its caps merged."""
+    if state is None:
+        return new_run(run_id, task, caps, now)
+    merge_caps(state, task, caps, now)
+    return state
+
+
 def check_live(state: RunState, now: float) -> None:
     """Refuse any call of a cancelled run or one past its deadline."""
     if state.cancelled:
