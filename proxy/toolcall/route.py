@@ -5,12 +5,16 @@ built on (`ToolRoute`), and the connection pool to tool services and MCP servers
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from proxy.config import Config
+from proxy.errors import RunCancelled
 from proxy.ledger.base import Ledger
 from proxy.server.auth import ClientAuth
-from proxy.server.flow import Flights
+from proxy.server.flow import Cuttable, Flights
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import OutboundClient
 from proxy.spans.recorder import NullRecorder, SpanRecorder
@@ -45,3 +49,23 @@ class ToolRoute:
 
     def __post_init__(self) -> None:
         self.calls = ToolCallLedger(self.ledger, self.metrics)
+
+    @contextlib.asynccontextmanager
+    async def in_flight(self, run_id: str, call: Cuttable, what: str) -> AsyncIterator[None]:
+        """`call` as one of the run's in-flight calls: a cancel of the run cuts it, also while it
+        waits for a duplicate in flight — then `RunCancelled` naming `what` (the tool)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.flights.add(run_id, task, call)  # a cancel also ends a wait for a duplicate
+        try:
+            yield
+        except asyncio.CancelledError:
+            if call.cut_reason != "cancel":
+                raise  # shutting down
+            task.uncancel()
+            raise RunCancelled(
+                f"run {run_id} was cancelled while its call to {what} waited for a duplicate in flight; "
+                "start a new run to continue"
+            ) from None
+        finally:
+            self.flights.remove(run_id, task)
