@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import BodyError, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
+from .base import BodyError, NoHistory, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
 from .billable import (
     count_references,
     openai_service_tier,
@@ -232,13 +232,10 @@ class ResponsesStreamReader(SSEStreamReader):
         )
 
 
-class ResponsesAdapter:
+class ResponsesAdapter(NoHistory):
     name = "responses"
     # OpenAI rejects max_output_tokens below 16: a call that cannot afford 16 must be refused.
     min_output_limit = 16
-
-    def history_item(self, item: Any) -> tuple[int, bytes | None]:
-        raise NotImplementedError("this format's requests carry no resent history")
 
     def parse_request(self, body: dict[str, Any]) -> RequestInfo:
         body = request_object(body)
