@@ -145,19 +145,25 @@ def wal_bytes(directory: Path) -> int:
     return total
 
 
-def segment_sealed(path: Path) -> bool:
-    """True when no writer holds the segment: nothing will be appended to it any more."""
+def lock_held(path: Path) -> bool | None:
+    """Whether a process holds an exclusive lock on `path` (a WAL writer on its segment, a
+    `runcap serve` on its serve.lock); None when there is no such file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return True
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False
+        return True
     finally:
         os.close(fd)  # also drops the shared lock, if we got it
-    return True
+    return False
+
+
+def segment_sealed(path: Path) -> bool:
+    """True when no writer holds the segment: nothing will be appended to it any more."""
+    return not lock_held(path)
 
 
 # --- reading ---------------------------------------------------------------------------------------
