@@ -62,6 +62,8 @@ class Thread:
 class AnthropicMessages(WireFormat):
     """`/v1/messages` and `/v1/messages/count_tokens`, with the threads the server holds."""
 
+    call_prefix = "toolu_"
+
     def __init__(self, upstream: ScriptedUpstream) -> None:
         super().__init__(upstream)
         # Anthropic threads by the id of their latest answer, for `thread: continue`.
@@ -142,15 +144,8 @@ class AnthropicMessages(WireFormat):
         tool_choice = body.get("tool_choice") or {}
         tools_allowed = bool(body.get("tools")) and tool_choice.get("type") != "none"
         hosted = hosted_uses(step, body, anthropic=True) if tools_allowed else ()
-        ans = self.answer(
-            rec,
-            step,
-            anthropic_input_tokens(body, self.upstream.tokenizer),
-            limit,
-            tools_allowed,
-            "toolu_",
-            hosted=hosted,
-        )
+        input_tokens = anthropic_input_tokens(body, self.upstream.tokenizer)
+        ans = self.answer(rec, step, input_tokens, limit, tools_allowed, hosted=hosted)
         # Anthropic cannot return a half-written tool_use block's input: a cut call is dropped.
         calls = [c for c in ans.calls if not c.partial]
         stop = "max_tokens" if ans.truncated else "tool_use" if calls else "end_turn"

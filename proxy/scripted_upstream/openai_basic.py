@@ -63,7 +63,7 @@ class OpenAIBasic(OpenAIFormat):
         await wire.pause(step, rec.stream)
         if step.status:
             return self.step_error(rec, step)
-        ans = self.answer(rec, step, prompt_tokens(body.get("prompt")), limit, False, "call_")
+        ans = self.answer(rec, step, prompt_tokens(body.get("prompt")), limit, False)
         finish = "length" if ans.truncated else "stop"
         usage = openai_usage(ans)
         base: dict[str, Any] = {

@@ -57,16 +57,10 @@ class OpenAIChat(OpenAIFormat):
             return self.step_error(rec, step)
         tools_allowed = bool(body.get("tools") or body.get("functions")) and body.get("tool_choice") != "none"
         modalities = body.get("modalities")
-        ans = self.answer(
-            rec,
-            step,
-            chat_input_tokens(body, self.upstream.tokenizer),
-            limit,
-            tools_allowed,
-            "call_",
-            audio=isinstance(modalities, list) and "audio" in modalities,
-            input_audio=input_audio_tokens(body.get("messages")),
-        )
+        input_tokens = chat_input_tokens(body, self.upstream.tokenizer)
+        audio = isinstance(modalities, list) and "audio" in modalities
+        input_audio = input_audio_tokens(body.get("messages"))
+        ans = self.answer(rec, step, input_tokens, limit, tools_allowed, audio=audio, input_audio=input_audio)
         if body.get("web_search_options") is not None and rec.usage is not None:
             rec.usage.tool_uses = {"web_search": 1}  # a search model searches on every call
         finish = "length" if ans.truncated else "tool_calls" if ans.calls else "stop"
