@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,8 +112,6 @@ class StreamableHTTPRelay:
         method = message.get("method")
         rid = message.get("id") if is_request(message) else None
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
-        task = asyncio.current_task()
-        assert task is not None
         relayed = Relayed()
         upstream: aiohttp.ClientResponse | None = None
         try:
@@ -123,44 +121,59 @@ class StreamableHTTPRelay:
                 state = await self.route.calls.touch_run(run, started)
             # Also a message the ledger did not see (no X-Run-Id, a notification): its own caps.
             timeout = tool_clock(run, state, now=started).seconds
-            if not run.generated:
-                self.route.flights.add(run.run_id, task, relayed)
-            try:
-                async with asyncio.timeout(timeout):
-                    upstream = await self.route.client.request("POST", target.url, data=body, headers=headers)
-                    end = await self.answer(upstream, reply, answer_headers, watch, rid)
-                    if rid is not None:
-                        upstream, end = await self.resume(target, headers, reply, watch, rid, upstream, end)
-            except TimeoutError:
-                self.cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
-                if not run.generated:
-                    await self.route.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
-                raise DeadlineExceeded(
-                    f"run {run.run_id} reached its deadline during {method} on MCP server {server.name!r}; "
-                    "the request was cancelled. End the run."
-                ) from None
-            except asyncio.CancelledError:
-                if relayed.cut_reason != "cancel":
-                    raise
-                task.uncancel()
-                self.cut(server, target, headers, rid, method, upstream, "the run was cancelled")
-                raise RunCancelled(
-                    f"run {run.run_id} was cancelled during {method} on MCP server {server.name!r}; "
-                    "start a new run to continue"
-                ) from None
-            except ANSWER_FAILED as e:
-                raise self.unavailable(server, method, e) from None
-            finally:
-                if upstream is not None:
-                    release_or_drop(upstream)
-                if not run.generated:
-                    self.route.flights.remove(run.run_id, task)
+            async with self._relaying(run, relayed) as task:
+                try:
+                    async with asyncio.timeout(timeout):
+                        upstream = await self.route.client.request(
+                            "POST", target.url, data=body, headers=headers
+                        )
+                        end = await self.answer(upstream, reply, answer_headers, watch, rid)
+                        if rid is not None:
+                            upstream, end = await self.resume(
+                                target, headers, reply, watch, rid, upstream, end
+                            )
+                except TimeoutError:
+                    self.cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
+                    if not run.generated:
+                        await self.route.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                    raise DeadlineExceeded(
+                        f"run {run.run_id} reached its deadline during {method} on MCP server "
+                        f"{server.name!r}; the request was cancelled. End the run."
+                    ) from None
+                except asyncio.CancelledError:
+                    if relayed.cut_reason != "cancel":
+                        raise
+                    task.uncancel()
+                    self.cut(server, target, headers, rid, method, upstream, "the run was cancelled")
+                    raise RunCancelled(
+                        f"run {run.run_id} was cancelled during {method} on MCP server {server.name!r}; "
+                        "start a new run to continue"
+                    ) from None
+                except ANSWER_FAILED as e:
+                    raise self.unavailable(server, method, e) from None
+                finally:
+                    if upstream is not None:
+                        release_or_drop(upstream)
         except Rejection as rej:
             self.route.metrics.rejections.labels(rej.code or rej.type).inc()
             if rid is None:
                 reply.refuse(rej, answer_headers)
             else:
                 await reply.message(refusal(rid, rej), answer_headers)
+
+    @contextlib.asynccontextmanager
+    async def _relaying(self, run: RunRequest, relayed: Relayed) -> AsyncIterator[asyncio.Task[Any]]:
+        """The current task, one of the run's calls in flight (a cancel cuts it) while it relays; a
+        run id runcap made up has no calls to cut."""
+        task = asyncio.current_task()
+        assert task is not None
+        if not run.generated:
+            self.route.flights.add(run.run_id, task, relayed)
+        try:
+            yield task
+        finally:
+            if not run.generated:
+                self.route.flights.remove(run.run_id, task)
 
     def unavailable(self, server: MCPServerConfig, method: Any, e: BaseException) -> UpstreamUnavailable:
         if isinstance(e, (ToolResponseTooLarge, EventTooLarge)):
@@ -344,8 +357,6 @@ class StreamableHTTPRelay:
     ) -> web.StreamResponse:
         """Relayed byte for byte (server → client requests and notifications, resumptions with
         `Last-Event-ID`); a run's GET stream ends at its deadline or cancel."""
-        task = asyncio.current_task()
-        assert task is not None
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
         started, state = time.time(), None
         try:
@@ -356,32 +367,31 @@ class StreamableHTTPRelay:
             self.route.metrics.rejections.labels(rej.code or rej.type).inc()
             return http_refusal(rej, answer_headers)
         relayed = Relayed()
-        if not run.generated:
-            self.route.flights.add(run.run_id, task, relayed)
-        upstream: aiohttp.ClientResponse | None = None
-        out: web.StreamResponse | None = None
-        try:
-            async with asyncio.timeout(timeout):
-                upstream = await self.route.client.request(request.method, target.url, headers=headers)
-                out = web.StreamResponse(status=upstream.status, headers=response_headers(upstream.headers))
-                out.headers.update(answer_headers)
-                await out.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await out.write(chunk)
-        except TimeoutError:
-            pass  # the run's deadline: the stream ends
-        except asyncio.CancelledError:
-            if relayed.cut_reason != "cancel":
-                raise
-            task.uncancel()
-        except (aiohttp.ClientError, OSError) as e:
-            if out is None:
-                return http_refusal(self.unavailable(server, request.method, e), answer_headers)
-        finally:
-            if upstream is not None:
-                release_or_drop(upstream)
-            if not run.generated:
-                self.route.flights.remove(run.run_id, task)
+        async with self._relaying(run, relayed) as task:
+            upstream: aiohttp.ClientResponse | None = None
+            out: web.StreamResponse | None = None
+            try:
+                async with asyncio.timeout(timeout):
+                    upstream = await self.route.client.request(request.method, target.url, headers=headers)
+                    out = web.StreamResponse(
+                        status=upstream.status, headers=response_headers(upstream.headers)
+                    )
+                    out.headers.update(answer_headers)
+                    await out.prepare(request)
+                    async for chunk in upstream.content.iter_any():
+                        await out.write(chunk)
+            except TimeoutError:
+                pass  # the run's deadline: the stream ends
+            except asyncio.CancelledError:
+                if relayed.cut_reason != "cancel":
+                    raise
+                task.uncancel()
+            except (aiohttp.ClientError, OSError) as e:
+                if out is None:
+                    return http_refusal(self.unavailable(server, request.method, e), answer_headers)
+            finally:
+                if upstream is not None:
+                    release_or_drop(upstream)
         if out is None:
             cut: Rejection = (
                 RunCancelled(f"run {run.run_id} was cancelled; start a new run to continue")
