@@ -34,6 +34,15 @@ from proxy.ledger.base import Ledger, Settlement, StepRequest, ToolCallRequest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def bench_step(run_id: str, caps: RunCaps, now: float) -> StepRequest:
+    """The step every ledger benchmark reserves: one priced model call of a capped run."""
+    return StepRequest(
+        run_id=run_id, task="bench", caps=caps, now=now, model="m", input_tokens_bound=500,
+        client_output_limit=256, model_output_bound=4096, min_output_tokens=16,
+        input_usd_per_mtok=Decimal(1), output_usd_per_mtok=Decimal(4),
+    )  # fmt: skip
+
+
 def _ms(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
     return {"p50_ms": round(percentile(s, 50) * 1000, 4), "p99_ms": round(percentile(s, 99) * 1000, 4)}
@@ -45,11 +54,7 @@ async def bench_ledger(ledger: Ledger, n: int) -> dict[str, Any]:
     tag = secrets.token_hex(3)
     for i in range(n + 200):  # the first 200 warm up
         now = time.time()
-        req = StepRequest(
-            run_id=f"b{tag}-{i}", task="bench", caps=caps, now=now, model="m", input_tokens_bound=500,
-            client_output_limit=256, model_output_bound=4096, min_output_tokens=16,
-            input_usd_per_mtok=Decimal(1), output_usd_per_mtok=Decimal(4),
-        )  # fmt: skip
+        req = bench_step(f"b{tag}-{i}", caps, now)
         t0 = time.perf_counter()
         res = await ledger.begin_step(req)
         t1 = time.perf_counter()
@@ -88,11 +93,7 @@ async def bench_concurrent(ledger: Ledger, n: int, concurrency: int) -> dict[str
     async def caller() -> None:
         for i in left:
             now = time.time()
-            req = StepRequest(
-                run_id=f"c{tag}-{i}", task="bench", caps=caps, now=now, model="m", input_tokens_bound=500,
-                client_output_limit=256, model_output_bound=4096, min_output_tokens=16,
-                input_usd_per_mtok=Decimal(1), output_usd_per_mtok=Decimal(4),
-            )  # fmt: skip
+            req = bench_step(f"c{tag}-{i}", caps, now)
             res = await ledger.begin_step(req)
             await asyncio.sleep(0)  # the call is forwarded: other callers run meanwhile
             await ledger.settle(res, used, now)

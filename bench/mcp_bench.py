@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from bench.loadgen import percentile
-from bench.proxy_bench import added_ms, cpu_s, free_port, start, stop_all
+from bench.proxy_bench import added_ms, cpu_s, emit, free_port, save_json, start, stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 20  # calls to each url before the measured ones
@@ -192,12 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(added_ms(row["runcap"], row["direct"]))
                 if row.get("floor", {}).get("p50_ms") is not None:
                     row.update(added_ms(row["floor"], row["direct"], "floor_"))
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            emit(results, row)
     finally:
         stop_all(procs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     print(
         f"\n{'kind':<16}{'direct p50/p99 ms':>20}{'runcap p50/p99 ms':>20}{'added p50/p99 ms':>20}"
         f"{'runcap CPU/call':>17}{'floor relay added p50/p99, CPU':>34}"

@@ -81,6 +81,23 @@ def start(argv: list[str], port: int, what: str, log: Path) -> subprocess.Popen[
     return proc
 
 
+def start_upstream(log: Path) -> tuple[int, subprocess.Popen[bytes]]:
+    """The scripted upstream (`runcap mock-upstream`) on a free port: (the port, the process)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{port}"]
+    return port, start(argv, port, "upstream", log)
+
+
+def serve_argv(cfg: Path, up_port: int, port: int, data_dir: Path, tracing: bool) -> list[str]:
+    """`runcap serve` on `port` in front of the upstream at `up_port`, its config written to `cfg`."""
+    cfg.write_text(
+        f"log_requests = false\ntracing = {'true' if tracing else 'false'}\n"
+        f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+    )
+    serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
+    return [*serve, "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir)]
+
+
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
     """Stop the servers a benchmark started, last started first (SIGTERM, then SIGKILL)."""
     for proc in reversed(procs):
@@ -106,6 +123,18 @@ def summarize(r: Result) -> dict[str, Any]:
 def added_ms(path: dict[str, Any], direct: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """`path`'s p50 and p99 over `direct`'s, in ms: `{prefix}added_p50_ms`, `{prefix}added_p99_ms`."""
     return {f"{prefix}added_{q}_ms": round(path[f"{q}_ms"] - direct[f"{q}_ms"], 3) for q in ("p50", "p99")}
+
+
+def emit(results: list[dict[str, Any]], row: dict[str, Any]) -> None:
+    """A row as it is measured: kept for the table and the --json file, and printed (JSON lines)."""
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def save_json(path: str | None, results: Any) -> None:
+    """The results to the --json file, when one was named."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,12 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if "floor" in row:
                     row["floor_throughput_ratio"] = round(f.achieved_rate / d.achieved_rate, 3)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            emit(results, row)
     finally:
         stop_all(procs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     _print_table(results)
     return 0
 
@@ -210,29 +237,17 @@ def compare_trees(args: argparse.Namespace) -> int:
     """This tree versus `args.baseline`, each its own `runcap serve` against one upstream."""
     tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
     trees = {"this": ROOT, "baseline": args.baseline.resolve()}
-    up_port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     results: list[dict[str, Any]] = []
     try:
-        procs.append(
-            start(
-                [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{up_port}"],
-                up_port,
-                "upstream",
-                tmp / "upstream.log",
-            )
-        )
+        up_port, upstream = start_upstream(tmp / "upstream.log")
+        procs.append(upstream)
         urls: dict[str, str] = {}
         pids: dict[str, int] = {}
         for name, tree in trees.items():
             port = free_port()
-            cfg = tmp / f"runcap-{name}.toml"
-            cfg.write_text(
-                f"log_requests = false\ntracing = {'true' if args.tracing == 'on' else 'false'}\n"
-                f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
-            )
-            serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
-            serve += ["--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp / f"data-{name}")]
+            cfg, data_dir = tmp / f"runcap-{name}.toml", tmp / f"data-{name}"
+            serve = serve_argv(cfg, up_port, port, data_dir, args.tracing == "on")
             proc = subprocess.Popen(
                 serve, cwd=tree, stdout=subprocess.DEVNULL, stderr=open(tmp / f"runcap-{name}.log", "ab")
             )
@@ -263,12 +278,10 @@ def compare_trees(args: argparse.Namespace) -> int:
                         for k in ("rate", "p50_ms", "p99_ms", "proxy_cpu_ms_per_req")
                     }
                     row[name]["rounds"] = [(run["rate"], run["proxy_cpu_ms_per_req"]) for run in runs]
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                emit(results, row)
     finally:
         stop_all(procs)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     print()
     head = f"scenario (tracing {args.tracing})"
     print(f"{head:<36} {'req/s this/base':>16} {'CPU ms/req this/base':>21}", end=" ")

@@ -55,8 +55,12 @@ from bench.proxy_bench import (
     ROOT,
     added_ms,
     cpu_s,
+    emit,
     free_port,
+    save_json,
+    serve_argv,
     start,
+    start_upstream,
     stop_all,
     summarize,
     wait_port,
@@ -197,26 +201,17 @@ def wait_shipped(data_dir: Path, timeout_s: float = 120) -> None:
 
 def bench_proxy(duration: float, tmp: Path, rounds: int = 3) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    up_port = free_port()
-    procs = [
-        start(
-            [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{up_port}"],
-            up_port, "upstream", tmp / "upstream.log",
-        )
-    ]  # fmt: skip
+    up_port, upstream = start_upstream(tmp / "upstream.log")
+    procs = [upstream]
     direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
     try:
         ports: dict[bool, int] = {}
         pids: dict[bool, int] = {}
         for tracing in (True, False):
             port = free_port()
-            cfg = tmp / f"runcap-{tracing}.toml"
-            cfg.write_text(
-                f"log_requests = false\ntracing = {'true' if tracing else 'false'}\n"
-                f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
+            serve = serve_argv(
+                tmp / f"runcap-{tracing}.toml", up_port, port, tmp / f"data-{tracing}", tracing
             )
-            serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
-            serve += ["--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp / f"data-{tracing}")]
             proc = start(serve, port, f"runcap tracing={tracing}", tmp / f"runcap-{tracing}.log")
             procs.append(proc)
             ports[tracing], pids[tracing] = port, proc.pid
@@ -339,13 +334,8 @@ def bench_server_shipper(duration: float, tmp: Path, up_port: int) -> dict[str, 
 def bench_baseline(duration: float, tmp: Path, rounds: int, baseline: Path) -> dict[str, Any]:
     """This tree against another checkout of runcap (`--baseline DIR`, e.g. `git archive REV | tar
     -x -C DIR`), tracing on and off, closed loop c=64 without run headers, interleaved rounds."""
-    up_port = free_port()
-    procs = [
-        start(
-            [sys.executable, "-m", "proxy.cli", "mock-upstream", "--listen", f"127.0.0.1:{up_port}"],
-            up_port, "upstream", tmp / "upstream-ab.log",
-        )
-    ]  # fmt: skip
+    up_port, upstream = start_upstream(tmp / "upstream-ab.log")
+    procs = [upstream]
     servers: dict[str, tuple[int, int]] = {}
     try:
         for tree, root in (("baseline", baseline), ("this tree", ROOT)):
@@ -353,13 +343,7 @@ def bench_baseline(duration: float, tmp: Path, rounds: int, baseline: Path) -> d
                 key = f"{tree}, tracing {'on' if tracing else 'off'}"
                 port = free_port()
                 slug = f"{'base' if tree == 'baseline' else 'this'}-{tracing}"
-                cfg = tmp / f"ab-{slug}.toml"
-                cfg.write_text(
-                    f"log_requests = false\ntracing = {'true' if tracing else 'false'}\n"
-                    f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
-                )
-                argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--listen"]
-                argv += [f"127.0.0.1:{port}", "--data-dir", str(tmp / f"ab-data-{slug}")]
+                argv = serve_argv(tmp / f"ab-{slug}.toml", up_port, port, tmp / f"ab-data-{slug}", tracing)
                 proc = subprocess.Popen(
                     argv, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
                     stdout=subprocess.DEVNULL, stderr=open(tmp / f"ab-{slug}.log", "ab"),
@@ -506,21 +490,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             payload_lane_run(ROOT, args.payload_lane, profile=True)
         row = bench_payload_lane(args.payload_lane, args.rounds, args.baseline and args.baseline.resolve())
-        if args.json:
-            Path(args.json).write_text(json.dumps([row], indent=2))
+        save_json(args.json, [row])
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="runcap-span-bench-"))
     results: list[dict[str, Any]] = []
     if not args.skip_ingest:
         for row in bench_ingestion(args.spans, args.batch_size, tmp):
-            print(json.dumps(row), flush=True)
-            results.append(row)
+            emit(results, row)
     if not args.skip_proxy:
         results += bench_proxy(args.duration, tmp, args.rounds)
     if args.baseline is not None:
         results.append(bench_baseline(args.duration, tmp, args.rounds, args.baseline.resolve()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     return 0
 
 

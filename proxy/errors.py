@@ -22,6 +22,9 @@ class Rejection(Exception):
     run_status: str | None = None
     # What the refused or cut call is on record as (its span's and access log's outcome).
     outcome = "error"
+    # The code and parameter a rejection of this kind carries unless the raiser names others.
+    code: str | None = None
+    param: str | None = None
 
     def __init__(
         self,
@@ -34,8 +37,10 @@ class Rejection(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.code = code
-        self.param = param
+        if code is not None:
+            self.code = code
+        if param is not None:
+            self.param = param
         if status is not None:
             self.status = status
         self.headers = headers or {}
@@ -85,9 +90,7 @@ class DeadlineExceeded(Rejection):
     type = "run_deadline_exceeded"
     run_status = "deadline_exceeded"
     outcome = "deadline_exceeded"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="deadline")
+    code = "deadline"
 
 
 class RunCancelled(Rejection):
@@ -95,9 +98,7 @@ class RunCancelled(Rejection):
     type = "run_cancelled"
     run_status = "cancelled"
     outcome = "cancelled"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="cancelled")
+    code = "cancelled"
 
 
 class ToolTimeout(Rejection):
@@ -106,18 +107,14 @@ class ToolTimeout(Rejection):
     status = 504
     type = "tool_timeout"
     outcome = "timeout"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="tool_timeout")
+    code = "tool_timeout"
 
 
 class OutcomeUnknown(Rejection):
     status = 409
     type = "idempotency_outcome_unknown"
     outcome = "unknown"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="outcome_unknown")
+    code = "outcome_unknown"
 
 
 class IdempotencyKeyReused(Rejection):
@@ -126,9 +123,8 @@ class IdempotencyKeyReused(Rejection):
 
     status = 422
     type = "idempotency_key_reused"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="idempotency_key_reused", param="Idempotency-Key")
+    code = "idempotency_key_reused"
+    param = "Idempotency-Key"
 
 
 class InternalError(Rejection):
@@ -137,9 +133,7 @@ class InternalError(Rejection):
 
     status = 500
     type = "internal_error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="internal_error")
+    code = "internal_error"
 
 
 class NotFound(Rejection):

@@ -150,20 +150,12 @@ STARTING_WAIT_S = 10.0
 
 def serve_running(data_dir: Path) -> bool:
     """Whether a `runcap serve` holds `data_dir` (its serve.lock, proxy/cli.py)."""
-    import fcntl
-    import os
+    from proxy.spans.wal import lock_held
 
     try:
-        fd = os.open(Path(data_dir) / "serve.lock", os.O_RDONLY | os.O_CLOEXEC)
+        return lock_held(Path(data_dir) / "serve.lock") is True
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops a lock taken here
-    return False
 
 
 def open_reader(config: Config, url: str | None, data_dir_given: bool) -> Reader:

@@ -18,6 +18,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from proxy.config import sections
 from proxy.config.declare import (
     ConfigError,
     Setting,
@@ -29,33 +30,16 @@ from proxy.config.declare import (
     parse_value,
     read_section,
 )
-from proxy.config.sections import (
-    MIN_ADMIN_TOKEN_CHARS,
-    CapsConfig,
-    Config,
-    ConnectionSettings,
-    LedgerSettings,
-    LocalSettings,
-    MCPServerConfig,
-    MCPToolConfig,
-    MetricsSettings,
-    SpanSettings,
-    TaskCaps,
-    ToolConfig,
-    UpstreamConfig,
-)
 from proxy.context import POLICIES, ContextSettings
 from proxy.pricing import FEE_SETTINGS, ModelPrice
 
 log = logging.getLogger("runcap.config")
 
 DEFAULT_UPSTREAMS = {
-    "openai": UpstreamConfig("openai", "https://api.openai.com", "openai"),
-    "anthropic": UpstreamConfig("anthropic", "https://api.anthropic.com", "anthropic"),
+    "openai": sections.UpstreamConfig("openai", "https://api.openai.com", "openai"),
+    "anthropic": sections.UpstreamConfig("anthropic", "https://api.anthropic.com", "anthropic"),
 }
 
-# Sections whose keys sit at the top level of the TOML, besides Config's own.
-TOP_LEVEL_SECTIONS = (ConnectionSettings, LedgerSettings, SpanSettings)
 # Tables, each read by its own parser below.
 TABLES = (
     "upstreams",
@@ -70,7 +54,7 @@ TABLES = (
     "metrics",
     "local",
 )
-TOP_KEYS = known_keys(Config).union(*map(known_keys, TOP_LEVEL_SECTIONS), TABLES)
+TOP_KEYS = known_keys(sections.Config).union(*map(known_keys, sections.TOP_LEVEL_SECTIONS), TABLES)
 
 
 def load_config(
@@ -80,7 +64,7 @@ def load_config(
     listen: str | None = None,
     data_dir: str | None = None,
     workers: int | None = None,
-) -> Config:
+) -> sections.Config:
     """Build the configuration. `path=None` reads `./runcap.toml` when it exists."""
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
@@ -109,7 +93,7 @@ def build_config(
     listen: str | None = None,
     data_dir: str | None = None,
     workers: int | None = None,
-) -> Config:
+) -> sections.Config:
     env = {} if env is None else env
     check_known(raw, "", TOP_KEYS)
     flags = {
@@ -117,7 +101,7 @@ def build_config(
         "data_dir": ("--data-dir", data_dir),
         "workers": ("--workers", workers),
     }
-    server = read_section(Config, raw, "", env, flags=flags)
+    server = read_section(sections.Config, raw, "", env, flags=flags)
 
     upstreams = dict(DEFAULT_UPSTREAMS)
     for name, section in _table(raw, "upstreams").items():
@@ -133,13 +117,13 @@ def build_config(
         model_max_output[model] = _int(section, f"models.{model}", "max_output_tokens", minimum=1)
     client_tokens, tenant_keys = _client_tokens(_table(raw, "auth"), env, upstreams)
 
-    return Config(
+    return sections.Config(
         **server,
-        connections=ConnectionSettings(**read_section(ConnectionSettings, raw, "", env)),
+        connections=sections.ConnectionSettings(**read_section(sections.ConnectionSettings, raw, "", env)),
         ledger=_ledger(raw, env),
         spans=_spans(raw, env),
         caps=caps,
-        local=LocalSettings(**read_section(LocalSettings, _section(raw, "local"), "local")),
+        local=sections.LocalSettings(**read_section(sections.LocalSettings, _section(raw, "local"), "local")),
         metrics=_metrics(_section(raw, "metrics"), env, tenants=bool(client_tokens)),
         upstreams=upstreams,
         tools=tools,
@@ -157,13 +141,13 @@ def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     section = raw.get(key, {})
     if not isinstance(section, dict):
         raise ConfigError(f"{key}: expected a table")
-    cls = {"local": LocalSettings, "metrics": MetricsSettings}[key]
+    cls = {"local": sections.LocalSettings, "metrics": sections.MetricsSettings}[key]
     check_known(section, key, known_keys(cls))
     return section
 
 
-def _ledger(raw: Mapping[str, Any], env: Mapping[str, str]) -> LedgerSettings:
-    ledger = LedgerSettings(**read_section(LedgerSettings, raw, "", env))
+def _ledger(raw: Mapping[str, Any], env: Mapping[str, str]) -> sections.LedgerSettings:
+    ledger = sections.LedgerSettings(**read_section(sections.LedgerSettings, raw, "", env))
     if ledger.redis_heartbeat_ttl_s <= ledger.redis_heartbeat_s:
         raise ConfigError(
             f"redis_heartbeat_ttl_s: {ledger.redis_heartbeat_ttl_s:g} s must be longer than "
@@ -172,9 +156,9 @@ def _ledger(raw: Mapping[str, Any], env: Mapping[str, str]) -> LedgerSettings:
     return ledger
 
 
-def _spans(raw: Mapping[str, Any], env: Mapping[str, str]) -> SpanSettings:
+def _spans(raw: Mapping[str, Any], env: Mapping[str, str]) -> sections.SpanSettings:
     # --workers N with embedded chdb is fine: the workers append to the WAL, one shipper owns chdb.
-    spans = SpanSettings(**read_section(SpanSettings, raw, "", env))
+    spans = sections.SpanSettings(**read_section(sections.SpanSettings, raw, "", env))
     if spans.clickhouse_read_url and not spans.clickhouse_url:
         name = (
             "RUNCAP_CLICKHOUSE_READ_URL" if env.get("RUNCAP_CLICKHOUSE_READ_URL") else "clickhouse_read_url"
@@ -188,9 +172,9 @@ def _spans(raw: Mapping[str, Any], env: Mapping[str, str]) -> SpanSettings:
     return spans
 
 
-def _caps(section: Mapping[str, Any]) -> CapsConfig:
-    check_known(section, "caps", known_keys(CapsConfig))
-    caps = CapsConfig(**read_section(CapsConfig, section, "caps"))
+def _caps(section: Mapping[str, Any]) -> sections.CapsConfig:
+    check_known(section, "caps", known_keys(sections.CapsConfig))
+    caps = sections.CapsConfig(**read_section(sections.CapsConfig, section, "caps"))
     for kind in ("default", "ceiling"):
         timeout = getattr(caps, f"{kind}_timeout_s")
         if timeout is not None and timeout > caps.max_run_seconds:
@@ -201,23 +185,30 @@ def _caps(section: Mapping[str, Any]) -> CapsConfig:
     return caps
 
 
-def _task(name: str, section: Mapping[str, Any], caps: CapsConfig) -> TaskCaps:
+def _task(name: str, section: Mapping[str, Any], caps: sections.CapsConfig) -> sections.TaskCaps:
     where = f'tasks."{name}"'
     if not name or len(name) > 256 or not name.isprintable():
         raise ConfigError(f"{where}: a task name is 1-256 printable characters (as sent in X-Run-Task)")
-    check_known(section, where, known_keys(TaskCaps))
-    values = read_section(TaskCaps, {k: v for k, v in section.items() if k != "context_policy"}, where)
+    check_known(section, where, known_keys(sections.TaskCaps))
+    values = read_section(
+        sections.TaskCaps, {k: v for k, v in section.items() if k != "context_policy"}, where
+    )
     timeout = values["timeout_s"]
     if timeout is not None and timeout > caps.max_run_seconds:
         raise ConfigError(f"{where}.timeout_s: beyond caps.max_run_seconds = {caps.max_run_seconds:g} s")
-    return TaskCaps(**{**values, "context_policy": _policies(section, where)})
+    return sections.TaskCaps(**{**values, "context_policy": _policies(section, where)})
 
 
-def _metrics(section: Mapping[str, Any], env: Mapping[str, str], *, tenants: bool) -> MetricsSettings:
+def _metrics(
+    section: Mapping[str, Any], env: Mapping[str, str], *, tenants: bool
+) -> sections.MetricsSettings:
     """`[metrics]`: `token` may be "env:VAR"; setting it requires it; the model labels default to
     "catalog" names with client tokens."""
     values = read_section(
-        MetricsSettings, section, "metrics", defaults={"model_labels": "catalog" if tenants else "all"}
+        sections.MetricsSettings,
+        section,
+        "metrics",
+        defaults={"model_labels": "catalog" if tenants else "all"},
     )
     token = values["token"]
     if token is not None:
@@ -226,16 +217,16 @@ def _metrics(section: Mapping[str, Any], env: Mapping[str, str], *, tenants: boo
             token = env.get(name, "")
             if not token:
                 raise ConfigError(f"metrics.token: environment variable {name} is not set")
-        if len(token) < MIN_ADMIN_TOKEN_CHARS:
+        if len(token) < sections.MIN_ADMIN_TOKEN_CHARS:
             raise ConfigError(
-                f"metrics.token: a scrape token needs at least {MIN_ADMIN_TOKEN_CHARS} characters"
+                f"metrics.token: a scrape token needs at least {sections.MIN_ADMIN_TOKEN_CHARS} characters"
             )
         if section.get("require_token") is False:
             raise ConfigError(
                 "metrics.require_token: false contradicts metrics.token (a token that is not required)"
             )
         values.update(token=token, require_token=True)
-    return MetricsSettings(**values)
+    return sections.MetricsSettings(**values)
 
 
 def _table(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -272,9 +263,11 @@ def _number(section: Mapping[str, Any], where: str, key: str, *, positive: bool 
     return parse_decimal(Setting("", above=0) if positive else Setting(""), value, join(where, key))
 
 
-def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> UpstreamConfig:
+def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> sections.UpstreamConfig:
     where = f"upstreams.{name}"
-    check_known(section, where, {"url", "api_key_env", "output_limit_field"} | known_keys(UpstreamConfig))
+    check_known(
+        section, where, {"url", "api_key_env", "output_limit_field"} | known_keys(sections.UpstreamConfig)
+    )
     builtin = DEFAULT_UPSTREAMS.get(name)
     url = _str(section, where, "url")
     if not url:
@@ -291,7 +284,7 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
         )
         url = fixed
     settings = read_section(
-        UpstreamConfig, section, where, defaults={"flavor": builtin.flavor} if builtin else None
+        sections.UpstreamConfig, section, where, defaults={"flavor": builtin.flavor} if builtin else None
     )
     api_key = None
     key_env = _str(section, where, "api_key_env")
@@ -306,7 +299,7 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
         raise ConfigError(
             f"{where}.output_limit_field: expected max_tokens or max_completion_tokens, got {field_name!r}"
         )
-    return UpstreamConfig(
+    return sections.UpstreamConfig(
         name=name,
         url=url.rstrip("/"),
         api_key=api_key,
@@ -315,14 +308,16 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
     )
 
 
-def _tool(name: str, section: Mapping[str, Any]) -> ToolConfig:
+def _tool(name: str, section: Mapping[str, Any]) -> sections.ToolConfig:
     where = f"tools.{name}"
-    check_known(section, where, {"url"} | known_keys(ToolConfig))
+    check_known(section, where, {"url"} | known_keys(sections.ToolConfig))
     url = _str(section, where, "url")
     if not url:
         raise ConfigError(f"{where}.url: required")
     check_url(url, f"{where}.url", ("http", "https"))
-    return ToolConfig(name=name, url=url.rstrip("/"), **read_section(ToolConfig, section, where))
+    return sections.ToolConfig(
+        name=name, url=url.rstrip("/"), **read_section(sections.ToolConfig, section, where)
+    )
 
 
 _TENANT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -341,7 +336,7 @@ def _secret(value: Any, where: str, env: Mapping[str, str], what: str) -> str:
 
 
 def _client_tokens(
-    section: Mapping[str, Any], env: Mapping[str, str], upstreams: Mapping[str, UpstreamConfig]
+    section: Mapping[str, Any], env: Mapping[str, str], upstreams: Mapping[str, sections.UpstreamConfig]
 ) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """`[auth] client_tokens = { tenant = "token" | "env:VAR" | { token = ..., upstream_keys =
     { upstream = "key" | "env:VAR" } } }` → (token → tenant, tenant → upstream → provider key)."""
@@ -411,7 +406,7 @@ _CONTEXT_INTS = {
 }
 
 
-def _context(section: Any, tasks: Mapping[str, TaskCaps]) -> ContextSettings:
+def _context(section: Any, tasks: Mapping[str, sections.TaskCaps]) -> ContextSettings:
     """`[context]`: every key named in a message when it is wrong. `summary_model` is required as
     soon as a task's `context_policy` uses summarize (a request asking for it without one is a 400
     naming X-Run-Context-Policy, proxy/server/steps/context.py)."""
@@ -474,14 +469,14 @@ def _price(model: str, section: Mapping[str, Any]) -> ModelPrice:
 # -- [mcp.NAME]: MCP servers (DESIGN.md "MCP servers (`/mcp/{name}`)") -------------------------
 
 
-def _mcp_server(name: str, section: Mapping[str, Any]) -> MCPServerConfig:
+def _mcp_server(name: str, section: Mapping[str, Any]) -> sections.MCPServerConfig:
     where = f"mcp.{name}"
-    check_known(section, where, {"url", "tools"} | known_keys(MCPServerConfig))
+    check_known(section, where, {"url", "tools"} | known_keys(sections.MCPServerConfig))
     url = _str(section, where, "url")
     if not url:
         raise ConfigError(f"{where}.url: required (the server's Streamable HTTP endpoint)")
     check_url(url, f"{where}.url", ("http", "https"))
-    settings = read_section(MCPServerConfig, section, where)
+    settings = read_section(sections.MCPServerConfig, section, where)
     tools = {}
     table = section.get("tools", {})
     if not isinstance(table, dict):
@@ -490,9 +485,9 @@ def _mcp_server(name: str, section: Mapping[str, Any]) -> MCPServerConfig:
         if not isinstance(tool_section, dict):
             raise ConfigError(f"{where}.tools.{tool}: expected a table")
         tools[tool] = _mcp_tool(f"{where}.tools.{tool}", tool, tool_section)
-    return MCPServerConfig(name=name, url=url.rstrip("/"), **settings, tools=tools)
+    return sections.MCPServerConfig(name=name, url=url.rstrip("/"), **settings, tools=tools)
 
 
-def _mcp_tool(where: str, name: str, section: Mapping[str, Any]) -> MCPToolConfig:
-    check_known(section, where, known_keys(MCPToolConfig))
-    return MCPToolConfig(name=name, **read_section(MCPToolConfig, section, where))
+def _mcp_tool(where: str, name: str, section: Mapping[str, Any]) -> sections.MCPToolConfig:
+    check_known(section, where, known_keys(sections.MCPToolConfig))
+    return sections.MCPToolConfig(name=name, **read_section(sections.MCPToolConfig, section, where))

@@ -484,3 +484,7 @@ class Config:
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)
+
+
+# Sections whose keys sit at the top level of the TOML, besides Config's own.
+TOP_LEVEL_SECTIONS = (ConnectionSettings, LedgerSettings, SpanSettings)

@@ -146,25 +146,9 @@ def strip_fetch_calls(endpoint: str, response: dict[str, Any]) -> dict[str, Any]
             choices.append(choice)
         out["choices"] = choices
     elif endpoint == "responses":
-        out["output"] = [
-            item
-            for item in response.get("output") or ()
-            if not (
-                isinstance(item, dict)
-                and item.get("type") == "function_call"
-                and item.get("name") == FETCH_TOOL
-            )
-        ]
+        out["output"] = _without_fetch(response.get("output"), "function_call")
     else:
-        content = [
-            block
-            for block in response.get("content") or ()
-            if not (
-                isinstance(block, dict)
-                and block.get("type") == "tool_use"
-                and block.get("name") == FETCH_TOOL
-            )
-        ]
+        content = _without_fetch(response.get("content"), "tool_use")
         out["content"] = content
         if out.get("stop_reason") == "tool_use" and not any(
             isinstance(b, dict) and b.get("type") == "tool_use" for b in content
@@ -243,3 +227,13 @@ async def answer_fetches(
         response = answer.parsed
         changed = True
     return FetchAnswer(200, orjson.dumps(response) if changed else None, response, reply_headers, rounds)
+
+
+def _without_fetch(items: Any, call_type: str) -> list[Any]:
+    """`items` (a response's output items or content blocks) but the `runcap_fetch` calls, of
+    type `call_type`."""
+    return [
+        item
+        for item in items or ()
+        if not (isinstance(item, dict) and item.get("type") == call_type and item.get("name") == FETCH_TOOL)
+    ]

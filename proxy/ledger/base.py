@@ -203,6 +203,19 @@ class Settlement:
 
 
 @dataclass(frozen=True, slots=True)
+class Verdict:
+    """An operator's (or the tool path's) verdict on a tool call (`Ledger.resolve_tool_call`):
+    `done` with the outcome to replay, or not done (the record goes, the call is uncounted)."""
+
+    done: bool
+    now: float
+    status: int = 200
+    headers: dict[str, str] | None = None
+    body: bytes = b""
+    force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RecoveredReservation:
     run_id: str
     reservation_id: str
@@ -328,7 +341,6 @@ class Ledger(abc.ABC):
     ) -> list[IdempotencyRecord]:
         """Idempotency records, oldest first (for `runcap reconcile`)."""
 
-    @abc.abstractmethod
     async def resolve_tool_call(
         self,
         run_id: str,
@@ -346,6 +358,11 @@ class Ledger(abc.ABC):
         record may be resolved unless `force` (the tool path releasing its own `in_flight` record
         when the tool was never reached). Returns the record as it was; None when there is none.
         Raises `RecordNotUnknown` when the record is not `unknown`."""
+        return await self.apply_verdict(run_id, key, Verdict(done, now, status, headers, body, force))
+
+    @abc.abstractmethod
+    async def apply_verdict(self, run_id: str, key: str, verdict: Verdict) -> IdempotencyRecord | None:
+        """`resolve_tool_call` with its verdict as one value: what each backend implements."""
 
     # -- provider objects and the tenant that created each (server/tenant_objects.py) ----------
 
@@ -410,6 +427,26 @@ def merge_caps(state: RunState, task: str, caps: RunCaps, now: float) -> None:
     if task and not state.task:
         state.task = task
     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+
+
+def apply_status(state: RunState, now: float, *, cancel: bool = False, status: str | None = None) -> None:
+    """A cancel (`Ledger.cancel`) or a terminal status seen outside a step (`Ledger.set_status`);
+    a cancelled run stays cancelled."""
+    if cancel:
+        state.cancelled = True
+        state.status = "cancelled"
+    elif status and state.status != "cancelled":
+        state.status = status
+    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+
+
+def touched_run(state: RunState | None, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    """The run a call that reserves nothing opens or updates (`Ledger.touch_run`), before
+    `check_live`: new, or its caps merged."""
+    if state is None:
+        return new_run(run_id, task, caps, now)
+    merge_caps(state, task, caps, now)
+    return state
 
 
 def check_live(state: RunState, now: float) -> None:

@@ -42,6 +42,7 @@ from proxy.ledger.base import (
     StepRequest,
     ToolCallRequest,
     ToolCallStart,
+    Verdict,
 )
 from proxy.ledger.pending import (
     PendingRelease,
@@ -260,33 +261,20 @@ class GuardedLedger(Ledger):
             timeout_s=self.slow_timeout_s,
         )
 
-    async def resolve_tool_call(
-        self,
-        run_id: str,
-        key: str,
-        *,
-        done: bool,
-        now: float,
-        status: int = 200,
-        headers: dict[str, str] | None = None,
-        body: bytes = b"",
-        force: bool = False,
-    ) -> IdempotencyRecord | None:
+    async def apply_verdict(self, run_id: str, key: str, verdict: Verdict) -> IdempotencyRecord | None:
         try:
             return await self._guard(
                 "resolve_tool_call",
-                lambda: self.backend.resolve_tool_call(
-                    run_id, key, done=done, now=now, status=status, headers=headers, body=body, force=force
-                ),
-                remember=not force,
+                lambda: self.backend.apply_verdict(run_id, key, verdict),
+                remember=not verdict.force,
             )
         except LedgerUnavailable as e:
-            if not (force and not done):
+            if not (verdict.force and not verdict.done):
                 raise  # an operator's verdict: they retry it
             # The tool path releasing its own intent (the tool was never reached): kept for a
             # later write like an outcome, so the caller gets its 502 rather than a 503.
             log.warning("run %s: release of tool call %s kept for a later write: %s", run_id, key, e.message)
-            self.pending.add(PendingToolForget(run_id, key, now))
+            self.pending.add(PendingToolForget(run_id, key, verdict.now))
             return None
 
     async def release_reservation(self, reservation: Reservation) -> None:

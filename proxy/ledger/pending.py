@@ -50,12 +50,10 @@ class PendingWrite:
 
 @dataclass(eq=False)
 class PendingSettlement(PendingWrite):
+    kind: str = field(init=False, default="settlement")
     reservation: Reservation
     settlement: Settlement
     now: float
-
-    def __post_init__(self) -> None:
-        self.kind = "settlement"
 
     async def apply(self, ledger: Ledger) -> None:
         try:
@@ -73,10 +71,8 @@ class PendingSettlement(PendingWrite):
 class PendingRelease(PendingWrite):
     """A reservation written in doubt for a call that was then refused: nothing was spent."""
 
+    kind: str = field(init=False, default="release")
     reservation: Reservation
-
-    def __post_init__(self) -> None:
-        self.kind = "release"
 
     async def apply(self, ledger: Ledger) -> None:
         with contextlib.suppress(KeyError):
@@ -90,10 +86,8 @@ class PendingRelease(PendingWrite):
 class PendingToolRelease(PendingWrite):
     """An in-flight record written in doubt for a tool call that was then refused."""
 
+    kind: str = field(init=False, default="tool_release")
     record: IdempotencyRecord
-
-    def __post_init__(self) -> None:
-        self.kind = "tool_release"
 
     async def apply(self, ledger: Ledger) -> None:
         await ledger.release_tool_call(self.record)
@@ -104,15 +98,13 @@ class PendingToolRelease(PendingWrite):
 
 @dataclass(eq=False)
 class PendingToolOutcome(PendingWrite):
+    kind: str = field(init=False, default="tool_outcome")
     run_id: str
     key: str
     status: int
     headers: dict[str, str]
     body: bytes
     now: float
-
-    def __post_init__(self) -> None:
-        self.kind = "tool_outcome"
 
     async def apply(self, ledger: Ledger) -> None:
         await ledger.complete_tool_call(self.run_id, self.key, self.status, self.headers, self.body, self.now)
@@ -126,12 +118,10 @@ class PendingToolForget(PendingWrite):
     """The intent of a tool call that never reached its tool (connection refused): deleted, so
     the next attempt executes — once the ledger takes it (until then a repeat waits)."""
 
+    kind: str = field(init=False, default="tool_forget")
     run_id: str
     key: str
     now: float
-
-    def __post_init__(self) -> None:
-        self.kind = "tool_forget"
 
     async def apply(self, ledger: Ledger) -> None:
         await ledger.resolve_tool_call(self.run_id, self.key, done=False, now=self.now, force=True)
@@ -142,13 +132,11 @@ class PendingToolForget(PendingWrite):
 
 @dataclass(eq=False)
 class PendingToolUnknown(PendingWrite):
+    kind: str = field(init=False, default="tool_unknown")
     run_id: str
     key: str
     now: float
     reason: str
-
-    def __post_init__(self) -> None:
-        self.kind = "tool_unknown"
 
     async def apply(self, ledger: Ledger) -> None:
         await ledger.mark_unknown(self.run_id, self.key, self.now, self.reason)

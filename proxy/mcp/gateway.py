@@ -21,9 +21,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.caps import RunRequest, parse_run_headers
-from proxy.config import Config, MCPServerConfig
+from proxy.config import MCPServerConfig
 from proxy.errors import NotFound, Rejection
-from proxy.ledger.base import Ledger
 from proxy.mcp.catalog import ToolCatalog
 from proxy.mcp.relay import Exchange, StreamableHTTPRelay, Watch
 from proxy.mcp.reply import BatchReply, LiveReply, Reply, http_refusal
@@ -39,30 +38,17 @@ from proxy.mcp.wire import (
     is_response,
     parse_messages,
 )
-from proxy.server.auth import ClientAuth
-from proxy.server.flow import Flights
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers
-from proxy.server.metrics import Metrics
 from proxy.server.request_body import read_body
-from proxy.spans.recorder import SpanRecorder
-from proxy.toolcall.route import ToolClient, ToolRoute
+from proxy.toolcall.route import ToolRoute
 from proxy.upstream_url import remaining_segments
 
 
 class MCPGateway(ToolRoute):
-    def __init__(
-        self,
-        config: Config,
-        ledger: Ledger,
-        flights: Flights,
-        metrics: Metrics,
-        client: ToolClient,
-        recorder: SpanRecorder | None = None,
-        clients: ClientAuth | None = None,
-    ) -> None:
-        super().__init__(config, ledger, flights, metrics, client, recorder, clients)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.catalog = ToolCatalog()
-        self.relay = StreamableHTTPRelay(config, ledger, flights, metrics, client, self.calls)
+        self.relay = StreamableHTTPRelay(self)
         self.tool_calls = MCPToolCalls(self, self.relay, self.catalog)
 
     def add_to(self, app: web.Application) -> None:

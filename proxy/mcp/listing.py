@@ -63,7 +63,7 @@ class ToolListing:
             collected = BatchReply()
             try:
                 async with asyncio.timeout(deadline_clock(deadline, LISTING_TIMEOUT_S).seconds):
-                    upstream = await self.relay.client.request(
+                    upstream = await self.relay.route.client.request(
                         "POST", target.url, data=dumps(request), headers=out
                     )
                     try:

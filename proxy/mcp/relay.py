@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.caps import RunRequest
-from proxy.config import Config, MCPServerConfig
+from proxy.config import MCPServerConfig
 from proxy.errors import DeadlineExceeded, Rejection, RunCancelled, UpstreamUnavailable
-from proxy.ledger.base import Ledger
 from proxy.mcp.reply import LiveReply, Reply, http_refusal
 from proxy.mcp.wire import (
     EVENT_STREAM,
@@ -43,14 +42,11 @@ from proxy.mcp.wire import (
     refusal,
     sse_event,
 )
-from proxy.server.flow import Flights
 from proxy.server.headers import response_headers
-from proxy.server.metrics import Metrics
 from proxy.server.outbound import release_or_drop
 from proxy.toolcall.clock import tool_clock
-from proxy.toolcall.ledger import ToolCallLedger
 from proxy.toolcall.outcome import ToolResponseTooLarge, read_bounded
-from proxy.toolcall.route import ToolClient
+from proxy.toolcall.route import ToolRoute
 from proxy.upstream_url import UpstreamTarget
 
 log = logging.getLogger("runcap.mcp")
@@ -91,21 +87,8 @@ class StreamEnd:
 
 
 class StreamableHTTPRelay:
-    def __init__(
-        self,
-        config: Config,
-        ledger: Ledger,
-        flights: Flights,
-        metrics: Metrics,
-        client: ToolClient,
-        calls: ToolCallLedger,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.flights = flights
-        self.metrics = metrics
-        self.client = client
-        self.calls = calls
+    def __init__(self, route: ToolRoute) -> None:
+        self.route = route  # the gateway's config, ledger, in-flight calls, metrics, tool client
         self._notices: set[asyncio.Task[None]] = set()  # notifications/cancelled being sent
 
     async def stop(self) -> None:
@@ -129,61 +112,74 @@ class StreamableHTTPRelay:
         method = message.get("method")
         rid = message.get("id") if is_request(message) else None
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
-        task = asyncio.current_task()
-        assert task is not None
         relayed = Relayed()
         upstream: aiohttp.ClientResponse | None = None
         try:
             started, state = time.time(), None
             if rid is not None and not run.generated:
                 # A request of a run: refused once the run is cancelled or past its deadline.
-                state = await self.calls.touch_run(run, started)
+                state = await self.route.calls.touch_run(run, started)
             # Also a message the ledger did not see (no X-Run-Id, a notification): its own caps.
             timeout = tool_clock(run, state, now=started).seconds
-            if not run.generated:
-                self.flights.add(run.run_id, task, relayed)
-            try:
-                async with asyncio.timeout(timeout):
-                    upstream = await self.client.request("POST", target.url, data=body, headers=headers)
-                    end = await self.answer(upstream, reply, answer_headers, watch, rid)
-                    if rid is not None:
-                        upstream, end = await self.resume(target, headers, reply, watch, rid, upstream, end)
-            except TimeoutError:
-                self.cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
-                if not run.generated:
-                    await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
-                raise DeadlineExceeded(
-                    f"run {run.run_id} reached its deadline during {method} on MCP server {server.name!r}; "
-                    "the request was cancelled. End the run."
-                ) from None
-            except asyncio.CancelledError:
-                if relayed.cut_reason != "cancel":
-                    raise
-                task.uncancel()
-                self.cut(server, target, headers, rid, method, upstream, "the run was cancelled")
-                raise RunCancelled(
-                    f"run {run.run_id} was cancelled during {method} on MCP server {server.name!r}; "
-                    "start a new run to continue"
-                ) from None
-            except ANSWER_FAILED as e:
-                raise self.unavailable(server, method, e) from None
-            finally:
-                if upstream is not None:
-                    release_or_drop(upstream)
-                if not run.generated:
-                    self.flights.remove(run.run_id, task)
+            async with self._relaying(run, relayed) as task:
+                try:
+                    async with asyncio.timeout(timeout):
+                        upstream = await self.route.client.request(
+                            "POST", target.url, data=body, headers=headers
+                        )
+                        end = await self.answer(upstream, reply, answer_headers, watch, rid)
+                        if rid is not None:
+                            upstream, end = await self.resume(
+                                target, headers, reply, watch, rid, upstream, end
+                            )
+                except TimeoutError:
+                    self.cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
+                    if not run.generated:
+                        await self.route.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                    raise DeadlineExceeded(
+                        f"run {run.run_id} reached its deadline during {method} on MCP server "
+                        f"{server.name!r}; the request was cancelled. End the run."
+                    ) from None
+                except asyncio.CancelledError:
+                    if relayed.cut_reason != "cancel":
+                        raise
+                    task.uncancel()
+                    self.cut(server, target, headers, rid, method, upstream, "the run was cancelled")
+                    raise RunCancelled(
+                        f"run {run.run_id} was cancelled during {method} on MCP server {server.name!r}; "
+                        "start a new run to continue"
+                    ) from None
+                except ANSWER_FAILED as e:
+                    raise self.unavailable(server, method, e) from None
+                finally:
+                    if upstream is not None:
+                        release_or_drop(upstream)
         except Rejection as rej:
-            self.metrics.rejections.labels(rej.code or rej.type).inc()
+            self.route.metrics.rejections.labels(rej.code or rej.type).inc()
             if rid is None:
                 reply.refuse(rej, answer_headers)
             else:
                 await reply.message(refusal(rid, rej), answer_headers)
 
+    @contextlib.asynccontextmanager
+    async def _relaying(self, run: RunRequest, relayed: Relayed) -> AsyncIterator[asyncio.Task[Any]]:
+        """The current task, one of the run's calls in flight (a cancel cuts it) while it relays; a
+        run id runcap made up has no calls to cut."""
+        task = asyncio.current_task()
+        assert task is not None
+        if not run.generated:
+            self.route.flights.add(run.run_id, task, relayed)
+        try:
+            yield task
+        finally:
+            if not run.generated:
+                self.route.flights.remove(run.run_id, task)
+
     def unavailable(self, server: MCPServerConfig, method: Any, e: BaseException) -> UpstreamUnavailable:
         if isinstance(e, (ToolResponseTooLarge, EventTooLarge)):
             return UpstreamUnavailable(
                 f"MCP server {server.name!r} answered {method} with more than tool_max_response_bytes = "
-                f"{self.config.tool_max_response_bytes} bytes in one message",
+                f"{self.route.config.tool_max_response_bytes} bytes in one message",
                 code="tool_response_too_large",
                 param="tool_max_response_bytes",
             )
@@ -214,7 +210,7 @@ class StreamableHTTPRelay:
             async for chunk in upstream.content.iter_any():
                 await reply.event(chunk, None)
             return StreamEnd(answered=True)
-        data = await read_bounded(upstream, self.config.tool_max_response_bytes)
+        data = await read_bounded(upstream, self.route.config.tool_max_response_bytes)
         messages: list[dict[str, Any]] = []
         if ctype == JSON and data:
             try:
@@ -236,7 +232,7 @@ class StreamableHTTPRelay:
     async def _events(
         self, upstream: aiohttp.ClientResponse, reply: Reply, watch: Watch | None, rid: Any
     ) -> StreamEnd:
-        parser = SSEParser(self.config.tool_max_response_bytes)
+        parser = SSEParser(self.route.config.tool_max_response_bytes)
         end = StreamEnd(answered=False)
         async for chunk in upstream.content.iter_any():
             for event in parser.feed(chunk):
@@ -284,7 +280,7 @@ class StreamableHTTPRelay:
             again.popall("Content-Type", None)
             again["Accept"] = EVENT_STREAM
             again["Last-Event-ID"] = end.last_event_id
-            upstream = await self.client.request("GET", target.url, headers=again)
+            upstream = await self.route.client.request("GET", target.url, headers=again)
             ctype = upstream.headers.get("Content-Type", "").partition(";")[0].strip().lower()
             if upstream.status != 200 or ctype != EVENT_STREAM:
                 break
@@ -338,7 +334,8 @@ class StreamableHTTPRelay:
             out["Mcp-Method"] = "notifications/cancelled"
         try:
             async with asyncio.timeout(CANCEL_NOTICE_TIMEOUT_S):
-                async with self.client.request("POST", target.url, data=dumps(notice), headers=out) as answer:
+                send = self.route.client.request("POST", target.url, data=dumps(notice), headers=out)
+                async with send as answer:
                     await answer.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning(
@@ -360,44 +357,41 @@ class StreamableHTTPRelay:
     ) -> web.StreamResponse:
         """Relayed byte for byte (server → client requests and notifications, resumptions with
         `Last-Event-ID`); a run's GET stream ends at its deadline or cancel."""
-        task = asyncio.current_task()
-        assert task is not None
         answer_headers = {"X-Run-Id": run.run_id} if not run.generated else {}
         started, state = time.time(), None
         try:
             if request.method == "GET" and not run.generated:
-                state = await self.calls.touch_run(run, started)
+                state = await self.route.calls.touch_run(run, started)
             timeout = tool_clock(run, state, now=started).seconds
         except Rejection as rej:
-            self.metrics.rejections.labels(rej.code or rej.type).inc()
+            self.route.metrics.rejections.labels(rej.code or rej.type).inc()
             return http_refusal(rej, answer_headers)
         relayed = Relayed()
-        if not run.generated:
-            self.flights.add(run.run_id, task, relayed)
-        upstream: aiohttp.ClientResponse | None = None
-        out: web.StreamResponse | None = None
-        try:
-            async with asyncio.timeout(timeout):
-                upstream = await self.client.request(request.method, target.url, headers=headers)
-                out = web.StreamResponse(status=upstream.status, headers=response_headers(upstream.headers))
-                out.headers.update(answer_headers)
-                await out.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await out.write(chunk)
-        except TimeoutError:
-            pass  # the run's deadline: the stream ends
-        except asyncio.CancelledError:
-            if relayed.cut_reason != "cancel":
-                raise
-            task.uncancel()
-        except (aiohttp.ClientError, OSError) as e:
-            if out is None:
-                return http_refusal(self.unavailable(server, request.method, e), answer_headers)
-        finally:
-            if upstream is not None:
-                release_or_drop(upstream)
-            if not run.generated:
-                self.flights.remove(run.run_id, task)
+        async with self._relaying(run, relayed) as task:
+            upstream: aiohttp.ClientResponse | None = None
+            out: web.StreamResponse | None = None
+            try:
+                async with asyncio.timeout(timeout):
+                    upstream = await self.route.client.request(request.method, target.url, headers=headers)
+                    out = web.StreamResponse(
+                        status=upstream.status, headers=response_headers(upstream.headers)
+                    )
+                    out.headers.update(answer_headers)
+                    await out.prepare(request)
+                    async for chunk in upstream.content.iter_any():
+                        await out.write(chunk)
+            except TimeoutError:
+                pass  # the run's deadline: the stream ends
+            except asyncio.CancelledError:
+                if relayed.cut_reason != "cancel":
+                    raise
+                task.uncancel()
+            except (aiohttp.ClientError, OSError) as e:
+                if out is None:
+                    return http_refusal(self.unavailable(server, request.method, e), answer_headers)
+            finally:
+                if upstream is not None:
+                    release_or_drop(upstream)
         if out is None:
             cut: Rejection = (
                 RunCancelled(f"run {run.run_id} was cancelled; start a new run to continue")

@@ -69,6 +69,7 @@ class MCPToolCalls:
     """Every `tools/call` request of an agent to an MCP server (the gateway routes them here)."""
 
     def __init__(self, route: ToolRoute, relay: StreamableHTTPRelay, catalog: ToolCatalog) -> None:
+        self.route = route
         self.config = route.config
         self.ledger = route.ledger
         self.flights = route.flights
@@ -183,10 +184,7 @@ class MCPToolCalls:
         )  # fmt: skip
         limit = tool.max_calls_per_run if tool is not None else None
 
-        task = asyncio.current_task()
-        assert task is not None
-        self.flights.add(run.run_id, task, call)  # a cancel also ends a wait for a duplicate
-        try:
+        async with self.route.in_flight(run.run_id, call, f"tool {name!r} of MCP server {server.name!r}"):
             if limit is not None and call.key is None:
                 await self._claim(server, name, limit, run)
             start = await self.calls.begin(req)
@@ -208,16 +206,6 @@ class MCPToolCalls:
             except Exception:
                 await self.calls.unknown(call, "runcap failed during the call", f"mcp:{server.name}")
                 raise
-        except asyncio.CancelledError:
-            if call.cut_reason != "cancel":
-                raise  # shutting down
-            task.uncancel()
-            raise RunCancelled(
-                f"run {run.run_id} was cancelled while its call to tool {name!r} of MCP server "
-                f"{server.name!r} waited for a duplicate in flight; start a new run to continue"
-            ) from None
-        finally:
-            self.flights.remove(run.run_id, task)
 
     async def _claim(self, server: MCPServerConfig, tool: str, limit: int, run: RunRequest) -> None:
         """One of the tool's `max_calls_per_run`, counted atomically in the ledger as the tool
@@ -227,7 +215,7 @@ class MCPToolCalls:
             f"{run.run_id}/{qualified}", "", RunCaps(max_tool_calls=limit), time.time(), qualified, None
         )
         try:
-            await self.calls.timed("tool_quota", self.ledger.begin_tool_call(quota))
+            await self.metrics.timed_ledger_op("tool_quota", self.ledger.begin_tool_call(quota))
         except BudgetExceeded:
             raise BudgetExceeded(
                 "max_calls_per_run",

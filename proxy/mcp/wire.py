@@ -52,9 +52,8 @@ class ToolDenied(Rejection):
 
     status = 403
     type = "tool_denied"
-
-    def __init__(self, message: str, code: str = "denied") -> None:
-        super().__init__(message, code=code, param="params.name")
+    code = "denied"
+    param = "params.name"
 
 
 class InvalidMessage(Exception):

@@ -231,6 +231,14 @@ class Adapter(Protocol):
     def stream_reader(self, strip_injected_usage: bool) -> StreamReader: ...
 
 
+class NoHistory:
+    """The `history_item` of an adapter whose requests carry no resent history (its
+    `RequestInfo.history` stays empty)."""
+
+    def history_item(self, item: Any) -> tuple[int, bytes | None]:
+        raise NotImplementedError("this format's requests carry no resent history")
+
+
 def turn_key(text: str, calls: Iterable[tuple[str, str]]) -> bytes:
     """Identity of one assistant turn: all its text, then each tool call's name and arguments
     as JSON text. The same answer read from a response and from the next request's history

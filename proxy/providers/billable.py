@@ -28,21 +28,21 @@ ANTHROPIC_SPEEDS = ("fast", "standard")
 
 def openai_service_tier(body: dict[str, Any]) -> tuple[str, str] | None:
     """An OpenAI request's `service_tier` as a price-context pair (None: not set)."""
-    tier = body.get("service_tier")
-    if tier is None:
-        return None
-    if not isinstance(tier, str) or tier not in OPENAI_TIERS:
-        raise BodyError(f"service_tier must be one of {', '.join(OPENAI_TIERS)}, got {tier!r}"[:200])
-    return ("service_tier", tier)
+    return _price_variant(body, "service_tier", OPENAI_TIERS)
 
 
 def anthropic_speed(body: dict[str, Any]) -> tuple[str, str] | None:
-    speed = body.get("speed")
-    if speed is None:
+    return _price_variant(body, "speed", ANTHROPIC_SPEEDS)
+
+
+def _price_variant(body: dict[str, Any], field: str, allowed: tuple[str, ...]) -> tuple[str, str] | None:
+    """The request's `field`, one of `allowed`, as a price-context pair (None: not set)."""
+    value = body.get(field)
+    if value is None:
         return None
-    if not isinstance(speed, str) or speed not in ANTHROPIC_SPEEDS:
-        raise BodyError(f"speed must be one of {', '.join(ANTHROPIC_SPEEDS)}, got {speed!r}"[:200])
-    return ("speed", speed)
+    if not isinstance(value, str) or value not in allowed:
+        raise BodyError(f"{field} must be one of {', '.join(allowed)}, got {value!r}"[:200])
+    return (field, value)
 
 
 def served_tier(value: Any) -> PriceOptions | None:

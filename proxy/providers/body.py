@@ -28,7 +28,7 @@ import orjson
 
 from proxy.bounds import MAX_MODEL_NAME, MAX_OUTPUT_TOKENS, MAX_REPORTED_TOKENS
 
-from .base import BodyError
+from .base import NO_USES, BodyError, Usage
 
 # A fixed bound for one non-text part (image, audio, a file by reference). Images are at most a
 # few thousand tokens on every current model; multi-page documents can exceed it.
@@ -227,6 +227,27 @@ def count(obj: Any, name: str) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return min(value, MAX_REPORTED_TOKENS)
     return 0
+
+
+def openai_style_usage(
+    usage: Any, input_key: str, output_key: str, tool_uses: Mapping[str, int] = NO_USES
+) -> Usage | None:
+    """An OpenAI usage object: `{input_key}` (cached tokens included) and `{output_key}`, with
+    their `_details` (cached, cache-write, reasoning and audio tokens). None: no usage object."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get(f"{input_key}_details")
+    out_details = usage.get(f"{output_key}_details")
+    return Usage(
+        input_tokens=count(usage, input_key),
+        output_tokens=count(usage, output_key),
+        cache_read_tokens=count(details, "cached_tokens"),
+        cache_write_tokens=count(details, "cache_write_tokens"),
+        reasoning_tokens=count(out_details, "reasoning_tokens"),
+        input_audio_tokens=count(details, "audio_tokens"),
+        output_audio_tokens=count(out_details, "audio_tokens"),
+        tool_uses=tool_uses,
+    )
 
 
 def text_of(obj: dict[str, Any], name: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import BodyError, RequestInfo, ResponseInfo
+from .base import BodyError, NoHistory, RequestInfo, ResponseInfo
 from .body import (
     BASE_OVERHEAD,
     MESSAGE_OVERHEAD,
@@ -60,12 +60,9 @@ def _generations(body: dict[str, Any], prompts: int) -> int:
     return prompts * max(choices_count(body, "n"), choices_count(body, "best_of"))
 
 
-class CompletionsAdapter:
+class CompletionsAdapter(NoHistory):
     name = "completions"
     min_output_limit = 1
-
-    def history_item(self, item: Any) -> tuple[int, bytes | None]:
-        raise NotImplementedError("this format's requests carry no resent history")
 
     def parse_request(self, body: dict[str, Any]) -> RequestInfo:
         body = request_object(body)
@@ -113,12 +110,9 @@ class CompletionsAdapter:
         return ChatStreamReader(strip_injected_usage)
 
 
-class EmbeddingsAdapter:
+class EmbeddingsAdapter(NoHistory):
     name = "embeddings"
     min_output_limit = 1
-
-    def history_item(self, item: Any) -> tuple[int, bytes | None]:
-        raise NotImplementedError("this format's requests carry no resent history")
 
     def parse_request(self, body: dict[str, Any]) -> RequestInfo:
         body = request_object(body)

@@ -30,13 +30,13 @@ from .body import (
     TOOL_PROMPT_BOUND,
     ContentBound,
     bool_field,
-    count,
     inline_media_bound,
     json_bytes,
     limit_field,
     list_field,
     model_field,
     object_item,
+    openai_style_usage,
     request_object,
     text_bytes,
     text_of,
@@ -49,19 +49,7 @@ _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "fun
 
 def openai_usage(usage: Any) -> Usage | None:
     """Usage of chat/completions/embeddings: `prompt_tokens` already includes cached tokens."""
-    if not isinstance(usage, dict):
-        return None
-    prompt = usage.get("prompt_tokens_details")
-    completion = usage.get("completion_tokens_details")
-    return Usage(
-        input_tokens=count(usage, "prompt_tokens"),
-        output_tokens=count(usage, "completion_tokens"),
-        cache_read_tokens=count(prompt, "cached_tokens"),
-        cache_write_tokens=count(prompt, "cache_write_tokens"),
-        reasoning_tokens=count(completion, "reasoning_tokens"),
-        input_audio_tokens=count(prompt, "audio_tokens"),
-        output_audio_tokens=count(completion, "audio_tokens"),
-    )
+    return openai_style_usage(usage, "prompt_tokens", "completion_tokens")
 
 
 def _is_reference(part: dict[str, Any]) -> bool:

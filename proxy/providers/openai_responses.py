@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import BodyError, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
+from .base import BodyError, NoHistory, RequestInfo, ResponseInfo, ToolCall, ToolResult, Usage
 from .billable import (
     count_references,
     openai_service_tier,
@@ -28,13 +28,13 @@ from .body import (
     ContentBound,
     bool_field,
     compact_json,
-    count,
     inline_media_bound,
     json_bytes,
     limit_field,
     list_field,
     model_field,
     object_item,
+    openai_style_usage,
     request_object,
     text_bytes,
     text_of,
@@ -60,20 +60,7 @@ _TERMINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "resp
 
 def responses_usage(usage: Any, output: Any = None) -> Usage | None:
     """The response's usage, with the per-use fees its provider-executed calls bill (`output`)."""
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("input_tokens_details")
-    out_details = usage.get("output_tokens_details")
-    return Usage(
-        input_tokens=count(usage, "input_tokens"),
-        output_tokens=count(usage, "output_tokens"),
-        cache_read_tokens=count(details, "cached_tokens"),
-        cache_write_tokens=count(details, "cache_write_tokens"),
-        reasoning_tokens=count(out_details, "reasoning_tokens"),
-        input_audio_tokens=count(details, "audio_tokens"),
-        output_audio_tokens=count(out_details, "audio_tokens"),
-        tool_uses=responses_provider_calls(output)[1],
-    )
+    return openai_style_usage(usage, "input_tokens", "output_tokens", responses_provider_calls(output)[1])
 
 
 def _is_reference(part: dict[str, Any]) -> bool:
@@ -245,13 +232,10 @@ class ResponsesStreamReader(SSEStreamReader):
         )
 
 
-class ResponsesAdapter:
+class ResponsesAdapter(NoHistory):
     name = "responses"
     # OpenAI rejects max_output_tokens below 16: a call that cannot afford 16 must be refused.
     min_output_limit = 16
-
-    def history_item(self, item: Any) -> tuple[int, bytes | None]:
-        raise NotImplementedError("this format's requests carry no resent history")
 
     def parse_request(self, body: dict[str, Any]) -> RequestInfo:
         body = request_object(body)

@@ -17,20 +17,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from proxy.scripted_upstream import wire
 from proxy.scripted_upstream.answer import Answer, Call, hosted_uses
 from proxy.scripted_upstream.recording import RecordedRequest
 from proxy.scripted_upstream.script import Step
 from proxy.scripted_upstream.tokens import anthropic_input_tokens
-from proxy.scripted_upstream.wire import (
-    JSON,
-    BadRequest,
-    json_reply,
-    pause,
-    play_stream,
-    reply,
-    sse_event,
-    text_pieces,
-)
 from proxy.scripted_upstream.wire_format import MAX_REMEMBERED_RESPONSES, WireFormat
 
 if TYPE_CHECKING:
@@ -71,6 +62,8 @@ class Thread:
 class AnthropicMessages(WireFormat):
     """`/v1/messages` and `/v1/messages/count_tokens`, with the threads the server holds."""
 
+    call_prefix = "toolu_"
+
     def __init__(self, upstream: ScriptedUpstream) -> None:
         super().__init__(upstream)
         # Anthropic threads by the id of their latest answer, for `thread: continue`.
@@ -99,10 +92,10 @@ class AnthropicMessages(WireFormat):
         headers = self.headers(None)
         body = anthropic_error_body(status, message, etype, headers["request-id"])
         if rec is None:
-            return web.Response(status=status, body=body, content_type=JSON, headers=headers)
-        return json_reply(rec, status, body, headers)
+            return web.Response(status=status, body=body, content_type=wire.JSON, headers=headers)
+        return wire.json_reply(rec, status, body, headers)
 
-    def fail(self, rec: RecordedRequest | None, e: BadRequest) -> web.Response:
+    def fail(self, rec: RecordedRequest | None, e: wire.BadRequest) -> web.Response:
         return self.error(rec, e.message)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -112,22 +105,22 @@ class AnthropicMessages(WireFormat):
         rec: RecordedRequest | None = None
         try:
             rec, body = await self.upstream.begin(request)
-        except BadRequest as e:
+        except wire.BadRequest as e:
             return self.fail(rec, e)
         tokens = anthropic_input_tokens(body, self.upstream.tokenizer)
-        return json_reply(rec, 200, orjson.dumps({"input_tokens": tokens}), self.headers(None))
+        return wire.json_reply(rec, 200, orjson.dumps({"input_tokens": tokens}), self.headers(None))
 
     async def _play(
         self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
     ) -> web.StreamResponse:
         for name in ("model", "messages", "max_tokens"):
             if name not in body:
-                raise BadRequest(f"{name}: Field required")
+                raise wire.BadRequest(f"{name}: Field required")
         if not isinstance(body["messages"], list):
-            raise BadRequest("messages: Input should be a valid list")
+            raise wire.BadRequest("messages: Input should be a valid list")
         limit = body["max_tokens"]
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise BadRequest("max_tokens: Input should be greater than or equal to 1")
+            raise wire.BadRequest("max_tokens: Input should be greater than or equal to 1")
         thread = body.get("thread")
         if thread is not None:
             kept = self._thread_of(rec, thread, body)
@@ -142,24 +135,17 @@ class AnthropicMessages(WireFormat):
                 }
         step = self.upstream.pick_step(rec, _anthropic_turns(body))
         rec.stream = bool(body.get("stream"))
-        await pause(step, rec.stream)
+        await wire.pause(step, rec.stream)
         if step.status:
             headers = self.headers(step)
             message = step.error or "Internal server error"
             err = anthropic_error_body(step.status, message, step.error_type, headers["request-id"])
-            return json_reply(rec, step.status, err, headers)
+            return wire.json_reply(rec, step.status, err, headers)
         tool_choice = body.get("tool_choice") or {}
         tools_allowed = bool(body.get("tools")) and tool_choice.get("type") != "none"
         hosted = hosted_uses(step, body, anthropic=True) if tools_allowed else ()
-        ans = self.answer(
-            rec,
-            step,
-            anthropic_input_tokens(body, self.upstream.tokenizer),
-            limit,
-            tools_allowed,
-            "toolu_",
-            hosted=hosted,
-        )
+        input_tokens = anthropic_input_tokens(body, self.upstream.tokenizer)
+        ans = self.answer(rec, step, input_tokens, limit, tools_allowed, hosted=hosted)
         # Anthropic cannot return a half-written tool_use block's input: a cut call is dropped.
         calls = [c for c in ans.calls if not c.partial]
         stop = "max_tokens" if ans.truncated else "tool_use" if calls else "end_turn"
@@ -193,7 +179,7 @@ class AnthropicMessages(WireFormat):
         if step.omit_usage:
             del message_obj["usage"]
         if not rec.stream:
-            return reply(request, rec, step, orjson.dumps(message_obj), headers)
+            return wire.reply(request, rec, step, orjson.dumps(message_obj), headers)
 
         events, stall_at = _stream_events(
             message_obj, content, calls, usage, step.omit_usage, self.upstream.chunk_chars
@@ -203,7 +189,9 @@ class AnthropicMessages(WireFormat):
             "error": {"type": step.error_type or "overloaded_error", "message": step.error or "Overloaded"},
             "request_id": headers["request-id"],
         }
-        return await play_stream(request, rec, step, events, stall_at, headers, sse_event(b"error", error))
+        return await wire.play_stream(
+            request, rec, step, events, stall_at, headers, wire.sse_event(b"error", error)
+        )
 
     def _thread_of(
         self, rec: RecordedRequest, thread: Any, body: dict[str, Any]
@@ -211,12 +199,12 @@ class AnthropicMessages(WireFormat):
         """The thread a request continues (None for `create`), or the error response."""
         betas = [b.strip() for b in (rec.header("anthropic-beta") or "").split(",")]
         if MESSAGE_THREADS_BETA not in betas:
-            raise BadRequest("thread: Extra inputs are not permitted")
+            raise wire.BadRequest("thread: Extra inputs are not permitted")
         kind = thread.get("type") if isinstance(thread, dict) else None
         if kind == "create":
             return None
         if kind != "continue":
-            raise BadRequest("thread.type: Input should be 'create' or 'continue'")
+            raise wire.BadRequest("thread.type: Input should be 'create' or 'continue'")
         previous = thread.get("previous_message_id")
         kept = self._threads.get(previous) if isinstance(previous, str) else None
         if kept is None:
@@ -227,10 +215,10 @@ class AnthropicMessages(WireFormat):
                 )
             )
             err["error"]["details"] = {"error_code": "thread_not_found"}
-            return json_reply(rec, 404, orjson.dumps(err), headers)
+            return wire.json_reply(rec, 404, orjson.dumps(err), headers)
         repeated = [name for name in ("system", "tools") if name in body]
         if repeated:
-            raise BadRequest(
+            raise wire.BadRequest(
                 f"{' and '.join(repeated)}: cannot be sent with thread.type 'continue': the thread keeps "
                 "the ones it was created with"
             )
@@ -262,22 +250,24 @@ def _stream_events(
     if not omit_usage:
         start["usage"] = {**usage, "output_tokens": 1}
         start["usage"].pop("server_tool_use", None)
-    events = [sse_event(b"message_start", {"type": "message_start", "message": start})]
+    events = [wire.sse_event(b"message_start", {"type": "message_start", "message": start})]
     stall_at = 0
     tool_uses = 0
     for index, block in enumerate(content):
         if block["type"] not in ("text", "tool_use"):  # server tool blocks: whole, no deltas
             events.append(
-                sse_event(
+                wire.sse_event(
                     b"content_block_start",
                     {"type": "content_block_start", "index": index, "content_block": block},
                 )
             )
-            events.append(sse_event(b"content_block_stop", {"type": "content_block_stop", "index": index}))
+            events.append(
+                wire.sse_event(b"content_block_stop", {"type": "content_block_stop", "index": index})
+            )
             continue
         if block["type"] == "text":
             events.append(
-                sse_event(
+                wire.sse_event(
                     b"content_block_start",
                     {
                         "type": "content_block_start",
@@ -286,12 +276,12 @@ def _stream_events(
                     },
                 )
             )
-            deltas = [{"type": "text_delta", "text": p} for p in text_pieces(block["text"], chunk_chars)]
+            deltas = [{"type": "text_delta", "text": p} for p in wire.text_pieces(block["text"], chunk_chars)]
         else:
             c = calls[tool_uses]
             tool_uses += 1
             events.append(
-                sse_event(
+                wire.sse_event(
                     b"content_block_start",
                     {
                         "type": "content_block_start",
@@ -302,28 +292,29 @@ def _stream_events(
             )
             deltas = [{"type": "input_json_delta", "partial_json": ""}]
             deltas.extend(
-                {"type": "input_json_delta", "partial_json": p} for p in text_pieces(c.arguments, chunk_chars)
+                {"type": "input_json_delta", "partial_json": p}
+                for p in wire.text_pieces(c.arguments, chunk_chars)
             )
         if index == 0:
-            events.append(sse_event(b"ping", {"type": "ping"}))
+            events.append(wire.sse_event(b"ping", {"type": "ping"}))
         for i, delta in enumerate(deltas):
             events.append(
-                sse_event(
+                wire.sse_event(
                     b"content_block_delta",
                     {"type": "content_block_delta", "index": index, "delta": delta},
                 )
             )
             if index == 0 and i == 0:
                 stall_at = len(events) - 1
-        events.append(sse_event(b"content_block_stop", {"type": "content_block_stop", "index": index}))
+        events.append(wire.sse_event(b"content_block_stop", {"type": "content_block_stop", "index": index}))
     delta_event: dict[str, Any] = {
         "type": "message_delta",
         "delta": {"stop_reason": stop, "stop_sequence": None},
     }
     if not omit_usage:
         delta_event["usage"] = {k: usage[k] for k in _ANTHROPIC_DELTA_USAGE_KEYS if k in usage}
-    events.append(sse_event(b"message_delta", delta_event))
-    events.append(sse_event(b"message_stop", {"type": "message_stop"}))
+    events.append(wire.sse_event(b"message_delta", delta_event))
+    events.append(wire.sse_event(b"message_stop", {"type": "message_stop"}))
     return events, stall_at
 
 

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from proxy.providers.base import Usage
+from proxy.scripted_upstream import wire
 from proxy.scripted_upstream.openai_common import (
     OpenAIFormat,
     openai_stream_error,
@@ -25,16 +26,6 @@ from proxy.scripted_upstream.openai_common import (
 )
 from proxy.scripted_upstream.recording import RecordedRequest
 from proxy.scripted_upstream.tokens import prompt_tokens
-from proxy.scripted_upstream.wire import (
-    JSON,
-    SSE_DONE,
-    BadRequest,
-    pause,
-    play_stream,
-    reply,
-    sse_data,
-    text_pieces,
-)
 
 EMBEDDING_DIMENSIONS = 8
 # Legacy completions default `max_tokens` to 16, as the real API does.
@@ -63,14 +54,16 @@ class OpenAIBasic(OpenAIFormat):
         self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
     ) -> web.StreamResponse:
         if "prompt" not in body:
-            raise BadRequest("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
+            raise wire.BadRequest(
+                "Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter"
+            )
         limit = output_limit(body, "max_tokens", default=LEGACY_COMPLETIONS_DEFAULT_MAX_TOKENS)
         step = self.upstream.pick_step(rec, 0)
         rec.stream = bool(body.get("stream"))
-        await pause(step, rec.stream)
+        await wire.pause(step, rec.stream)
         if step.status:
             return self.step_error(rec, step)
-        ans = self.answer(rec, step, prompt_tokens(body.get("prompt")), limit, False, "call_")
+        ans = self.answer(rec, step, prompt_tokens(body.get("prompt")), limit, False)
         finish = "length" if ans.truncated else "stop"
         usage = openai_usage(ans)
         base: dict[str, Any] = {
@@ -86,32 +79,36 @@ class OpenAIBasic(OpenAIFormat):
             out = {**base, "choices": [choice], "usage": usage}
             if step.omit_usage:
                 del out["usage"]
-            return reply(request, rec, step, orjson.dumps(out), headers)
+            return wire.reply(request, rec, step, orjson.dumps(out), headers)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if include_usage:
             base["usage"] = None
         events = [
-            sse_data({**base, "choices": [{"text": p, "index": 0, "logprobs": None, "finish_reason": None}]})
-            for p in text_pieces(ans.text, self.upstream.chunk_chars)
+            wire.sse_data(
+                {**base, "choices": [{"text": p, "index": 0, "logprobs": None, "finish_reason": None}]}
+            )
+            for p in wire.text_pieces(ans.text, self.upstream.chunk_chars)
         ]
         events.append(
-            sse_data(
+            wire.sse_data(
                 {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": finish}]}
             )
         )
         if include_usage and not step.omit_usage:
-            events.append(sse_data({**base, "choices": [], "usage": usage}))
-        events.append(SSE_DONE)
-        return await play_stream(request, rec, step, events, 0, headers, openai_stream_error(step))
+            events.append(wire.sse_data({**base, "choices": [], "usage": usage}))
+        events.append(wire.SSE_DONE)
+        return await wire.play_stream(request, rec, step, events, 0, headers, openai_stream_error(step))
 
     async def _embeddings(
         self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
     ) -> web.StreamResponse:
         value = body.get("input")
         if value is None:
-            raise BadRequest("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+            raise wire.BadRequest(
+                "Missing required parameter: 'input'.", "input", "missing_required_parameter"
+            )
         step = self.upstream.pick_step(rec, 0)
-        await pause(step, False)
+        await wire.pause(step, False)
         if step.status:
             return self.step_error(rec, step)
         if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
@@ -120,7 +117,7 @@ class OpenAIBasic(OpenAIFormat):
             inputs = list(value)
         dims = body.get("dimensions") or EMBEDDING_DIMENSIONS
         if not isinstance(dims, int) or not 1 <= dims <= 4096:
-            raise BadRequest(f"Invalid 'dimensions': {dims!r}.", "dimensions", "invalid_value")
+            raise wire.BadRequest(f"Invalid 'dimensions': {dims!r}.", "dimensions", "invalid_value")
         as_base64 = body.get("encoding_format") == "base64"
         data = []
         for i, item in enumerate(inputs):
@@ -135,7 +132,7 @@ class OpenAIBasic(OpenAIFormat):
             "model": body.get("model"),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
-        return reply(request, rec, step, orjson.dumps(out), self.headers(step))
+        return wire.reply(request, rec, step, orjson.dumps(out), self.headers(step))
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
         model_id = request.match_info.get("model")
@@ -158,7 +155,7 @@ class OpenAIBasic(OpenAIFormat):
                     completed=True,
                 )
             )
-        return web.Response(body=orjson.dumps(body), content_type=JSON)
+        return web.Response(body=orjson.dumps(body), content_type=wire.JSON)
 
 
 def _embedding(text: str, dims: int) -> list[float]:

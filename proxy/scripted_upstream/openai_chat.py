@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.scripted_upstream import wire
 from proxy.scripted_upstream.openai_common import (
     OpenAIFormat,
     openai_stream_error,
@@ -22,15 +23,6 @@ from proxy.scripted_upstream.openai_common import (
 )
 from proxy.scripted_upstream.recording import RecordedRequest
 from proxy.scripted_upstream.tokens import chat_input_tokens, input_audio_tokens
-from proxy.scripted_upstream.wire import (
-    SSE_DONE,
-    BadRequest,
-    pause,
-    play_stream,
-    reply,
-    sse_data,
-    text_pieces,
-)
 
 
 class OpenAIChat(OpenAIFormat):
@@ -49,30 +41,26 @@ class OpenAIChat(OpenAIFormat):
         self, request: web.Request, rec: RecordedRequest, body: dict[str, Any]
     ) -> web.StreamResponse:
         if not isinstance(body.get("messages"), list):
-            raise BadRequest(
+            raise wire.BadRequest(
                 "Missing required parameter: 'messages'.", "messages", "missing_required_parameter"
             )
         if not isinstance(body.get("model"), str):
-            raise BadRequest("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+            raise wire.BadRequest(
+                "Missing required parameter: 'model'.", "model", "missing_required_parameter"
+            )
         _check_chat_tools(body)
         limit = output_limit(body, "max_completion_tokens", "max_tokens")
         step = self.upstream.pick_step(rec, _chat_turns(body))
         rec.stream = bool(body.get("stream"))
-        await pause(step, rec.stream)
+        await wire.pause(step, rec.stream)
         if step.status:
             return self.step_error(rec, step)
         tools_allowed = bool(body.get("tools") or body.get("functions")) and body.get("tool_choice") != "none"
         modalities = body.get("modalities")
-        ans = self.answer(
-            rec,
-            step,
-            chat_input_tokens(body, self.upstream.tokenizer),
-            limit,
-            tools_allowed,
-            "call_",
-            audio=isinstance(modalities, list) and "audio" in modalities,
-            input_audio=input_audio_tokens(body.get("messages")),
-        )
+        input_tokens = chat_input_tokens(body, self.upstream.tokenizer)
+        audio = isinstance(modalities, list) and "audio" in modalities
+        input_audio = input_audio_tokens(body.get("messages"))
+        ans = self.answer(rec, step, input_tokens, limit, tools_allowed, audio=audio, input_audio=input_audio)
         if body.get("web_search_options") is not None and rec.usage is not None:
             rec.usage.tool_uses = {"web_search": 1}  # a search model searches on every call
         finish = "length" if ans.truncated else "tool_calls" if ans.calls else "stop"
@@ -106,7 +94,7 @@ class OpenAIChat(OpenAIFormat):
             }
             if step.omit_usage:
                 del out["usage"]
-            return reply(request, rec, step, orjson.dumps(out), headers)
+            return wire.reply(request, rec, step, orjson.dumps(out), headers)
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         base: dict[str, Any] = {
@@ -122,10 +110,10 @@ class OpenAIChat(OpenAIFormat):
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return sse_data({**base, "choices": [choice]})
+            return wire.sse_data({**base, "choices": [choice]})
 
         events: list[bytes] = []
-        pieces = text_pieces(ans.text, self.upstream.chunk_chars)
+        pieces = wire.text_pieces(ans.text, self.upstream.chunk_chars)
         if pieces or not ans.calls:
             events.append(chunk({"role": "assistant", "content": "", "refusal": None}))
             events.extend(chunk({"content": p}) for p in pieces)
@@ -144,13 +132,13 @@ class OpenAIChat(OpenAIFormat):
                 )
             events.extend(
                 chunk({"tool_calls": [{"index": index, "function": {"arguments": p}}]})
-                for p in text_pieces(c.arguments, self.upstream.chunk_chars)
+                for p in wire.text_pieces(c.arguments, self.upstream.chunk_chars)
             )
         events.append(chunk({}, finish))
         if include_usage and not step.omit_usage:
-            events.append(sse_data({**base, "choices": [], "usage": usage}))
-        events.append(SSE_DONE)
-        return await play_stream(
+            events.append(wire.sse_data({**base, "choices": [], "usage": usage}))
+        events.append(wire.SSE_DONE)
+        return await wire.play_stream(
             request, rec, step, events, min(1, len(events) - 1), headers, openai_stream_error(step)
         )
 
@@ -163,7 +151,7 @@ def _check_chat_tools(body: dict[str, Any]) -> None:
     """Reject what the real chat API rejects, so a proxy that strips tools carelessly is caught."""
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and tools):
-        raise BadRequest(
+        raise wire.BadRequest(
             "Invalid 'tools': empty array. Expected an array with minimum length 1, but got an empty array "
             "instead.",
             "tools",
@@ -172,7 +160,7 @@ def _check_chat_tools(body: dict[str, Any]) -> None:
     if not tools:
         for name in ("tool_choice", "parallel_tool_calls"):
             if body.get(name) is not None:
-                raise BadRequest(
+                raise wire.BadRequest(
                     f"Invalid value for '{name}': '{name}' is only allowed when 'tools' are specified.",
                     name,
                 )

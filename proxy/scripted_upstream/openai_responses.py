@@ -68,15 +68,8 @@ class OpenAIResponses(OpenAIFormat):
         tools = body.get("tools") or []
         tools_allowed = bool(tools) and body.get("tool_choice") != "none"
         hosted = hosted_uses(step, body, anthropic=False) if tools_allowed else ()
-        ans = self.answer(
-            rec,
-            step,
-            responses_input_tokens(body, self.upstream.tokenizer),
-            limit,
-            tools_allowed,
-            "call_",
-            hosted=hosted,
-        )
+        input_tokens = responses_input_tokens(body, self.upstream.tokenizer)
+        ans = self.answer(rec, step, input_tokens, limit, tools_allowed, hosted=hosted)
         rid = self.upstream.new_id("resp_")
         headers = self.headers(step)
 

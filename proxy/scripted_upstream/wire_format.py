@@ -31,6 +31,8 @@ MAX_REMEMBERED_RESPONSES = 100_000
 class WireFormat(ABC):
     """One provider wire format, served by `upstream` (its scripts, ids, recording)."""
 
+    call_prefix = "call_"  # of the ids this server gives the tool calls it answers with
+
     def __init__(self, upstream: ScriptedUpstream) -> None:
         self.upstream = upstream
 
@@ -62,7 +64,6 @@ class WireFormat(ABC):
         input_tokens: int,
         limit: int | None,
         tools_allowed: bool,
-        call_prefix: str,
         *,
         hosted: tuple[HostedUse, ...] = (),
         audio: bool = False,
@@ -75,7 +76,7 @@ class WireFormat(ABC):
             input_tokens,
             limit,
             tools_allowed,
-            lambda: self.upstream.new_id(call_prefix),
+            lambda: self.upstream.new_id(self.call_prefix),
             hosted=hosted,
             audio=audio,
             input_audio=input_audio,

@@ -9,7 +9,8 @@ worker's series labelled `worker` and the shipper's view once (proxy/server/work
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -188,6 +189,14 @@ class Metrics:
 
     def ledger_op(self, op: str, seconds: float) -> None:
         self.ledger_latency.labels(op).observe(seconds)
+
+    async def timed_ledger_op(self, op: str, call: Awaitable[_T]) -> _T:
+        """Await a ledger operation, its latency observed as `op`."""
+        t0 = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.ledger_op(op, time.perf_counter() - t0)
 
     def settled(self, flow: Flow, s: Settlement) -> None:
         model = flow.response_info.model if flow.response_info else ""

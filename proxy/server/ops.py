@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -132,25 +133,17 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     )
 
 
+@dataclass(eq=False)
 class OpsRoutes:
-    def __init__(
-        self,
-        ledger: Ledger,
-        metrics: Metrics,
-        flights: Flights,
-        guard: AdminGuard,
-        span_store: ShipperClient | None = None,
-        recorder: SpanRecorder | None = None,
-        metrics_guard: AdminGuard | None = None,
-    ) -> None:
-        """`metrics_guard`: who may scrape /metrics ([metrics] require_token); None: anyone."""
-        self.metrics_guard = metrics_guard
-        self.ledger = ledger
-        self.metrics = metrics
-        self.flights = flights
-        self.guard = guard
-        self.span_store = span_store
-        self.recorder: SpanRecorder = recorder or NullRecorder()
+    """`metrics_guard`: who may scrape /metrics ([metrics] require_token); None: anyone."""
+
+    ledger: Ledger
+    metrics: Metrics
+    flights: Flights
+    guard: AdminGuard
+    span_store: ShipperClient | None = None
+    recorder: SpanRecorder = field(default_factory=NullRecorder)
+    metrics_guard: AdminGuard | None = None
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/healthz", self.healthz)

@@ -28,8 +28,9 @@ the read CLI through the shipper's socket — reads through `ClickHouseSink.quer
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import date, datetime
 from decimal import Decimal
 from ipaddress import IPv4Address, IPv6Address
@@ -161,52 +162,52 @@ class ClickHouseSink:
         if "deduplicate_insert" in (getattr(writer, "server_settings", None) or {}):
             self._dedup_settings["deduplicate_insert"] = "enable"
 
-    def write(self, spans: Sequence[Span], runs: Sequence[RunSnapshot], batch_id: str) -> None:
-        """Insert one batch; writing the same `batch_id` again adds no rows (per-table tokens)."""
+    @contextlib.contextmanager
+    def _batch(self, batch_id: str) -> Iterator[None]:
+        """One batch's write: a deduplication token, under the write lock, on an open sink; any
+        failure inside is a `SinkError` naming the batch."""
         if not batch_id:
             raise SinkError("clickhouse: a batch needs a non-empty batch_id (it is the deduplication token)")
         with self._write_lock:
             if self._closed:
                 raise SinkError(f"clickhouse sink for {self.location} is closed")
             try:
-                for table, records in ((self._spans, spans), (self._runs, runs)):
-                    if records:
-                        self._insert(table, records, batch_id)
+                yield
             except Exception as ex:
                 raise SinkError(f"clickhouse ({self.location}): batch {batch_id} not written: {ex}") from ex
+
+    def write(self, spans: Sequence[Span], runs: Sequence[RunSnapshot], batch_id: str) -> None:
+        """Insert one batch; writing the same `batch_id` again adds no rows (per-table tokens)."""
+        with self._batch(batch_id):
+            for table, records in ((self._spans, spans), (self._runs, runs)):
+                if records:
+                    self._insert(table, records, batch_id)
 
     def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
         """Insert one batch given as JSON lines of values (`JSONCompactEachRow`, in the order of
         records.SPAN_FIELDS / RUN_FIELDS), as the WAL holds them (proxy/spans/records.py):
         ClickHouse parses them, no Python per value. The same per-table deduplication tokens as
         `write`."""
-        if not batch_id:
-            raise SinkError("clickhouse: a batch needs a non-empty batch_id (it is the deduplication token)")
-        with self._write_lock:
-            if self._closed:
-                raise SinkError(f"clickhouse sink for {self.location} is closed")
-            try:
-                for table, columns, data in (
-                    (self._spans, SPAN_FIELDS, spans),
-                    (self._runs, RUN_FIELDS, runs),
-                ):
-                    if data:
-                        self._writer.raw_insert(
-                            table.qualified,
-                            columns,
-                            data,
-                            settings={
-                                "insert_deduplication_token": f"{batch_id}:{table.name}",
-                                **self._dedup_settings,
-                                # RFC 3339 times with a zone (`...Z`)
-                                "date_time_input_format": "best_effort",
-                                # a batch of a few MB is parsed by several threads, not one
-                                "min_chunk_bytes_for_parallel_parsing": 1 << 20,
-                            },
-                            fmt="JSONCompactEachRow",
-                        )
-            except Exception as ex:
-                raise SinkError(f"clickhouse ({self.location}): batch {batch_id} not written: {ex}") from ex
+        with self._batch(batch_id):
+            for table, columns, data in (
+                (self._spans, SPAN_FIELDS, spans),
+                (self._runs, RUN_FIELDS, runs),
+            ):
+                if data:
+                    self._writer.raw_insert(
+                        table.qualified,
+                        columns,
+                        data,
+                        settings={
+                            "insert_deduplication_token": f"{batch_id}:{table.name}",
+                            **self._dedup_settings,
+                            # RFC 3339 times with a zone (`...Z`)
+                            "date_time_input_format": "best_effort",
+                            # a batch of a few MB is parsed by several threads, not one
+                            "min_chunk_bytes_for_parallel_parsing": 1 << 20,
+                        },
+                        fmt="JSONCompactEachRow",
+                    )
 
     def _insert(self, table: _Table, records: Sequence[object], batch_id: str) -> None:
         self._writer.insert(

@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import orjson
@@ -112,23 +113,18 @@ def _wait_for_stop(parent_pid: int) -> None:
             )
 
 
+@dataclass(eq=False)
 class ShipperSupervisor:
     """Runs the shipper process and restarts it when it exits (see the module docstring)."""
 
-    def __init__(
-        self,
-        config: SpanSettings,
-        data_dir: Path,
-        *,
-        restart_delay_s: float = 0.5,
-        max_restart_delay_s: float = 10.0,
-        drain_timeout_s: float = 5.0,
-    ) -> None:
-        self.config = config
-        self.data_dir = data_dir
-        self.restart_delay_s = restart_delay_s
-        self.max_restart_delay_s = max_restart_delay_s
-        self.drain_timeout_s = drain_timeout_s
+    config: SpanSettings
+    data_dir: Path
+    _: KW_ONLY
+    restart_delay_s: float = 0.5
+    max_restart_delay_s: float = 10.0
+    drain_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
         self.restarts = 0
         self._stopping = threading.Event()
         self._proc: multiprocessing.process.BaseProcess | None = None

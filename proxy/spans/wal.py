@@ -145,19 +145,25 @@ def wal_bytes(directory: Path) -> int:
     return total
 
 
-def segment_sealed(path: Path) -> bool:
-    """True when no writer holds the segment: nothing will be appended to it any more."""
+def lock_held(path: Path) -> bool | None:
+    """Whether a process holds an exclusive lock on `path` (a WAL writer on its segment, a
+    `runcap serve` on its serve.lock); None when there is no such file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return True
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False
+        return True
     finally:
         os.close(fd)  # also drops the shared lock, if we got it
-    return True
+    return False
+
+
+def segment_sealed(path: Path) -> bool:
+    """True when no writer holds the segment: nothing will be appended to it any more."""
+    return not lock_held(path)
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -262,16 +268,7 @@ def read_frames(
                 if not sealed:
                     res.at_end = True
                     break
-                nxt = _resync(fd, pos + 1, limit)
-                if nxt is None:
-                    res.torn_bytes = limit - pos
-                    res.at_end = True
-                    break
-                res.damaged += 1
-                res.damaged_bytes += nxt - pos
-                pos = nxt
-                continue
-            if header_ok:
+            elif header_ok:
                 if end - base > len(buf):
                     base, rel = pos, 0
                     buf = memoryview(os.pread(fd, max(_READ_CHUNK, end - pos), pos))
@@ -281,7 +278,8 @@ def read_frames(
                     taken += HEADER_SIZE + length
                     pos = end
                     continue
-            # Damage (bad magic, length or checksum, or a header cut short).
+            # Damage (bad magic, length or checksum, a header cut short, or a sealed segment's
+            # incomplete frame).
             nxt = _resync(fd, pos + 1, limit)
             if nxt is None:
                 if sealed:

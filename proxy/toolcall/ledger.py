@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import replace
-from typing import TypeVar
 
 from proxy.caps import RunRequest
 from proxy.ledger.base import Ledger, RunState, ToolCallRequest, ToolCallStart
@@ -20,8 +18,6 @@ from proxy.toolcall.clock import deadline_clock
 from proxy.toolcall.outcome import never_left
 
 log = logging.getLogger("runcap.tools")
-
-_T = TypeVar("_T")
 
 
 class ToolCallLedger:
@@ -35,24 +31,19 @@ class ToolCallLedger:
         # Calls this process executes, by (run, key): duplicates here wake up at once.
         self._executing: dict[tuple[str, str], asyncio.Event] = {}
 
-    async def timed(self, op: str, call: Awaitable[_T]) -> _T:
-        t0 = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self.metrics.ledger_op(op, time.perf_counter() - t0)
-
     async def touch_run(self, run: RunRequest, now: float) -> RunState:
         """The run's state for a request that is not a tool call (an MCP relay, a GET stream,
         runcap's own `tools/list`): refused once the run is cancelled or past its deadline."""
-        return await self.timed("touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, now))
+        return await self.metrics.timed_ledger_op(
+            "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, now)
+        )
 
     async def begin(self, req: ToolCallRequest) -> ToolCallStart:
         """Ask the ledger; while a duplicate is in flight (here or on another replica), wait for
         it — bounded by the run's deadline (the ledger refuses once it has passed)."""
         delay = 0.005
         while True:
-            start = await self.timed("tool_begin", self.ledger.begin_tool_call(req))
+            start = await self.metrics.timed_ledger_op("tool_begin", self.ledger.begin_tool_call(req))
             if start.action != "wait":
                 return start
             deadline = start.state.caps.deadline
@@ -88,7 +79,7 @@ class ToolCallLedger:
     ) -> None:
         """Record the outcome; not interrupted by a cancel (the call did happen)."""
         await asyncio.shield(
-            self.timed(
+            self.metrics.timed_ledger_op(
                 "tool_complete",
                 self.ledger.complete_tool_call(run_id, key, status, headers, body, time.time()),
             )

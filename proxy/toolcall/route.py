@@ -5,10 +5,16 @@ built on (`ToolRoute`), and the connection pool to tool services and MCP servers
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
 from proxy.config import Config
+from proxy.errors import RunCancelled
 from proxy.ledger.base import Ledger
 from proxy.server.auth import ClientAuth
-from proxy.server.flow import Flights
+from proxy.server.flow import Cuttable, Flights
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import OutboundClient
 from proxy.spans.recorder import NullRecorder, SpanRecorder
@@ -25,26 +31,41 @@ class ToolClient(OutboundClient):
         super().__init__(keepalive_timeout_s=30, connect_timeout_s=10)
 
 
+@dataclass(eq=False)
 class ToolRoute:
     """What `/tools/{name}` (server/tools.py) and `/mcp/{name}` (proxy/mcp/) are built on: the
     ledger's side of a tool call, the shared tool-side pool, the span recorder, the client
-    tokens, and the in-flight calls a cancel can cut."""
+    tokens, and the in-flight calls a cancel can cut. A gateway that builds more parts does it
+    in `__post_init__` (after this one's)."""
 
-    def __init__(
-        self,
-        config: Config,
-        ledger: Ledger,
-        flights: Flights,
-        metrics: Metrics,
-        client: ToolClient,
-        recorder: SpanRecorder | None = None,
-        clients: ClientAuth | None = None,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.flights = flights
-        self.metrics = metrics
-        self.client = client
-        self.recorder: SpanRecorder = recorder or NullRecorder()
-        self.clients = clients or ClientAuth({})
-        self.calls = ToolCallLedger(ledger, metrics)
+    config: Config
+    ledger: Ledger
+    flights: Flights
+    metrics: Metrics
+    client: ToolClient
+    recorder: SpanRecorder = field(default_factory=NullRecorder)
+    clients: ClientAuth = field(default_factory=lambda: ClientAuth({}))
+    calls: ToolCallLedger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.calls = ToolCallLedger(self.ledger, self.metrics)
+
+    @contextlib.asynccontextmanager
+    async def in_flight(self, run_id: str, call: Cuttable, what: str) -> AsyncIterator[None]:
+        """`call` as one of the run's in-flight calls: a cancel of the run cuts it, also while it
+        waits for a duplicate in flight — then `RunCancelled` naming `what` (the tool)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.flights.add(run_id, task, call)  # a cancel also ends a wait for a duplicate
+        try:
+            yield
+        except asyncio.CancelledError:
+            if call.cut_reason != "cancel":
+                raise  # shutting down
+            task.uncancel()
+            raise RunCancelled(
+                f"run {run_id} was cancelled while its call to {what} waited for a duplicate in flight; "
+                "start a new run to continue"
+            ) from None
+        finally:
+            self.flights.remove(run_id, task)

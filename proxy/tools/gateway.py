@@ -152,10 +152,7 @@ class ToolGateway(ToolRoute):
             method=request.method.upper(), path=call.path, op_hash=op_hash,
         )  # fmt: skip
 
-        task = asyncio.current_task()
-        assert task is not None
-        self.flights.add(run.run_id, task, call)  # a cancel also ends a wait for a duplicate
-        try:
+        async with self.in_flight(run.run_id, call, f"tool {tool.name!r}"):
             start = await self.calls.begin(req)
             call.state = start.state
             if start.action == "replay":
@@ -170,16 +167,6 @@ class ToolGateway(ToolRoute):
                 # saying so (409 until reconciled) beats a record left in flight for ever.
                 await self._unknown(call, "runcap failed during the call")
                 raise
-        except asyncio.CancelledError:
-            if call.cut_reason != "cancel":
-                raise  # shutting down
-            task.uncancel()
-            raise RunCancelled(
-                f"run {run.run_id} was cancelled while its call to tool {tool.name!r} waited for a "
-                "duplicate in flight; start a new run to continue"
-            ) from None
-        finally:
-            self.flights.remove(run.run_id, task)
 
     def _replay(self, call: ToolCall, record: IdempotencyRecord) -> web.Response:
         call.status = record.status or 200

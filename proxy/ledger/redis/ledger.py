@@ -49,31 +49,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from proxy.caps import RunCaps
 from proxy.config import redact_url
 from proxy.errors import Rejection
-from proxy.ledger.base import (
-    COMPLETED,
-    DEFAULT_RETENTION_S,
-    IN_FLIGHT,
-    UNKNOWN,
-    CapsChange,
-    IdempotencyRecord,
-    Ledger,
-    RecordNotUnknown,
-    RecoveredReservation,
-    Reservation,
-    RunState,
-    Settlement,
-    StepRequest,
-    ToolCallRequest,
-    ToolCallStart,
-    apply_caps_change,
-    apply_settlement,
-    apply_unrecovery,
-    check_live,
-    decide_step,
-    decide_tool_call,
-    merge_caps,
-    new_run,
-)
+from proxy.ledger import base
 from proxy.ledger.redis.cancels import cancel_events, publish_cancel
 from proxy.ledger.redis.codec import as_text
 from proxy.ledger.redis.keys import RedisKeys
@@ -84,7 +60,7 @@ from proxy.ledger.redis.store import Conflict, RedisStore, backoff
 log = logging.getLogger("runcap.ledger")
 
 
-class RedisLedger(Ledger):
+class RedisLedger(base.Ledger):
     name = "redis"
 
     def __init__(
@@ -92,7 +68,7 @@ class RedisLedger(Ledger):
         url: str,
         *,
         prefix: str = "runcap:",
-        retention_s: float = DEFAULT_RETENTION_S,
+        retention_s: float = base.DEFAULT_RETENTION_S,
         heartbeat_s: float = 2.0,
         heartbeat_ttl_s: float = 10.0,
         confirm_dead_s: float | None = None,
@@ -124,8 +100,8 @@ class RedisLedger(Ledger):
         )
         self._recovery = Recovery(self._store, self._liveness, confirm_dead_s=self.confirm_dead_s)
         # The in-flight records this instance wrote, to complete them without reading them back.
-        self._mine: dict[tuple[str, str], IdempotencyRecord] = {}
-        self._in_doubt: list[Reservation | IdempotencyRecord] = []
+        self._mine: dict[tuple[str, str], base.IdempotencyRecord] = {}
+        self._in_doubt: list[base.Reservation | base.IdempotencyRecord] = []
 
     @property
     def cancel_channel(self) -> str:
@@ -154,14 +130,14 @@ class RedisLedger(Ledger):
 
     # -- steps ----------------------------------------------------------------------------------
 
-    async def begin_step(self, req: StepRequest) -> Reservation:
+    async def begin_step(self, req: base.StepRequest) -> base.Reservation:
         await self._liveness.start()
         attempt = 0
         while True:
             version, state = await self._store.read_run(req.run_id, cached=attempt == 0)
-            state = state or new_run(req.run_id, req.task, req.caps, req.now)
+            state = state or base.new_run(req.run_id, req.task, req.caps, req.now)
             try:
-                res = decide_step(state, req)
+                res = base.decide_step(state, req)
             except Rejection:
                 try:
                     await self._store.cas_run(version, state)
@@ -181,15 +157,17 @@ class RedisLedger(Ledger):
             attempt += 1
             await backoff(attempt)
 
-    async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+    async def settle(
+        self, reservation: base.Reservation, settlement: base.Settlement, now: float
+    ) -> base.RunState:
         return await self._settle_reservation(reservation, settlement, now, quiet=False)
 
-    async def release_reservation(self, reservation: Reservation) -> None:
-        await self._settle_reservation(reservation, Settlement(no_answer=True), time.time(), quiet=True)
+    async def release_reservation(self, reservation: base.Reservation) -> None:
+        await self._settle_reservation(reservation, base.Settlement(no_answer=True), time.time(), quiet=True)
 
     async def _settle_reservation(
-        self, reservation: Reservation, settlement: Settlement, now: float, *, quiet: bool
-    ) -> RunState:
+        self, reservation: base.Reservation, settlement: base.Settlement, now: float, *, quiet: bool
+    ) -> base.RunState:
         attempt = 0
         swept = False  # a sweep charged it at its reserved amount: correct that charge
         while True:
@@ -198,10 +176,10 @@ class RedisLedger(Ledger):
                 self._liveness.live.pop(reservation.id, None)
                 raise KeyError(reservation.run_id)
             if swept:
-                apply_unrecovery(
+                base.apply_unrecovery(
                     state, reservation.usd_nanos, reservation.input_tokens, reservation.output_tokens, now
                 )
-            apply_settlement(state, reservation, settlement, now)
+            base.apply_settlement(state, reservation, settlement, now)
             write = self._store.settle_swept if swept else self._store.settle_reservation
             ok = await write(version, state, reservation.id, self.owner)
             if ok == 1:
@@ -230,17 +208,14 @@ class RedisLedger(Ledger):
             attempt += 1
             await backoff(attempt)
 
-    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> base.RunState:
         rejection: Rejection | None = None
 
-        def decide(state: RunState | None) -> RunState:
+        def decide(state: base.RunState | None) -> base.RunState:
             nonlocal rejection
-            if state is None:
-                state = new_run(run_id, task, caps, now)
-            else:
-                merge_caps(state, task, caps, now)
+            state = base.touched_run(state, run_id, task, caps, now)
             try:
-                check_live(state, now)
+                base.check_live(state, now)
                 rejection = None
             except Rejection as rej:  # written too: the run's new status is part of the answer
                 rejection = rej
@@ -252,10 +227,10 @@ class RedisLedger(Ledger):
         assert state is not None
         return state
 
-    async def get_run(self, run_id: str) -> RunState | None:
+    async def get_run(self, run_id: str) -> base.RunState | None:
         return (await self._store.read_run(run_id))[1]
 
-    async def cancel(self, run_id: str, now: float) -> RunState | None:
+    async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         state = await self._update(run_id, now, cancel=True)
         await publish_cancel(self._r, self.cancel_channel, run_id, self.owner)
         return state
@@ -263,14 +238,16 @@ class RedisLedger(Ledger):
     async def set_status(self, run_id: str, status: str, now: float) -> None:
         await self._update(run_id, now, status=status)
 
-    async def set_caps(self, run_id: str, change: CapsChange, now: float) -> tuple[RunCaps, RunState] | None:
+    async def set_caps(
+        self, run_id: str, change: base.CapsChange, now: float
+    ) -> tuple[RunCaps, base.RunState] | None:
         before = RunCaps()
 
-        def decide(state: RunState | None) -> RunState | None:
+        def decide(state: base.RunState | None) -> base.RunState | None:
             nonlocal before
             if state is not None:
                 before = state.caps
-                apply_caps_change(state, change, now)
+                base.apply_caps_change(state, change, now)
             return state
 
         state = await self._store.update_run(run_id, decide, cached=False)
@@ -278,15 +255,10 @@ class RedisLedger(Ledger):
 
     async def _update(
         self, run_id: str, now: float, *, cancel: bool = False, status: str | None = None
-    ) -> RunState:
-        def decide(state: RunState | None) -> RunState:
-            state = state or new_run(run_id, "", RunCaps(), now)
-            if cancel:
-                state.cancelled = True
-                state.status = "cancelled"
-            elif status and state.status != "cancelled":
-                state.status = status
-            state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+    ) -> base.RunState:
+        def decide(state: base.RunState | None) -> base.RunState:
+            state = state or base.new_run(run_id, "", RunCaps(), now)
+            base.apply_status(state, now, cancel=cancel, status=status)
             return state
 
         written = await self._store.update_run(run_id, decide)
@@ -295,7 +267,7 @@ class RedisLedger(Ledger):
 
     # -- tool calls -----------------------------------------------------------------------------
 
-    async def begin_tool_call(self, req: ToolCallRequest) -> ToolCallStart:
+    async def begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
         await self._liveness.start()
         attempt = 0
         while True:
@@ -306,14 +278,16 @@ class RedisLedger(Ledger):
                 (version, state), record, read_st = hit, None, ""
             else:
                 version, read, record, read_st = await self._store.read_call(req.run_id, req.key)
-                state = read or new_run(req.run_id, req.task, req.caps, req.now)
+                state = read or base.new_run(req.run_id, req.task, req.caps, req.now)
             alive = (
-                record is not None and record.state == IN_FLIGHT and await self._liveness.alive(record.owner)
+                record is not None
+                and record.state == base.IN_FLIGHT
+                and await self._liveness.alive(record.owner)
             )
             rejection: Rejection | None = None
-            start: ToolCallStart | None = None
+            start: base.ToolCallStart | None = None
             try:
-                start = decide_tool_call(state, record, req, self.owner, alive)
+                start = base.decide_tool_call(state, record, req, self.owner, alive)
             except Rejection as rej:
                 rejection = rej
             written = None
@@ -322,7 +296,7 @@ class RedisLedger(Ledger):
             elif record is not None and record.state != read_st:  # in flight → unknown
                 written = record
             owner = written.owner if written is not None else self.owner
-            new_call = written is not None and written.state == IN_FLIGHT and written.owner == self.owner
+            new_call = written is not None and written.state == base.IN_FLIGHT and written.owner == self.owner
             try:
                 ok = await self._store.start_call(version, state, req.key, read_st, written, owner, req.now)
             except BaseException:  # also a cancel (timeout): the script may have run
@@ -351,7 +325,7 @@ class RedisLedger(Ledger):
             if record is None:
                 return
             expected = record.state
-            record.state, record.status, record.headers, record.body = COMPLETED, status, headers, body
+            record.state, record.status, record.headers, record.body = base.COMPLETED, status, headers, body
             record.updated_at, record.error = now, ""
             if await self._store.write_record(expected, record):
                 return
@@ -362,58 +336,49 @@ class RedisLedger(Ledger):
         while True:
             if record is None:
                 record = await self.get_tool_call(run_id, key)
-            if record is None or record.state != IN_FLIGHT:
+            if record is None or record.state != base.IN_FLIGHT:
                 return
-            record.state, record.updated_at, record.error = UNKNOWN, now, reason
-            if await self._store.write_record(IN_FLIGHT, record):
+            record.state, record.updated_at, record.error = base.UNKNOWN, now, reason
+            if await self._store.write_record(base.IN_FLIGHT, record):
                 return
             record = None
 
-    async def get_tool_call(self, run_id: str, key: str) -> IdempotencyRecord | None:
+    async def get_tool_call(self, run_id: str, key: str) -> base.IdempotencyRecord | None:
         return await self._store.get_record(run_id, key)
 
     async def list_tool_calls(
         self, state: str | None = None, run_id: str | None = None, limit: int = 1000
-    ) -> list[IdempotencyRecord]:
+    ) -> list[base.IdempotencyRecord]:
         return await self._store.list_records(state, run_id, limit)
 
-    async def resolve_tool_call(
-        self,
-        run_id: str,
-        key: str,
-        *,
-        done: bool,
-        now: float,
-        status: int = 200,
-        headers: dict[str, str] | None = None,
-        body: bytes = b"",
-        force: bool = False,
-    ) -> IdempotencyRecord | None:
+    async def apply_verdict(
+        self, run_id: str, key: str, verdict: base.Verdict
+    ) -> base.IdempotencyRecord | None:
         self._mine.pop((run_id, key), None)
         while True:
             record = await self.get_tool_call(run_id, key)
             if record is None:
                 return None
-            if record.state != UNKNOWN and not force:
-                raise RecordNotUnknown(record)
+            if record.state != base.UNKNOWN and not verdict.force:
+                raise base.RecordNotUnknown(record)
             before = dataclasses.replace(record)
-            if done:
+            if verdict.done:
                 record.state, record.status, record.headers, record.body = (
-                    COMPLETED,
-                    status,
-                    headers or {},
-                    body,
+                    base.COMPLETED,
+                    verdict.status,
+                    verdict.headers or {},
+                    verdict.body,
                 )
-                record.updated_at, record.error = now, ""
+                record.updated_at, record.error = verdict.now, ""
                 if await self._store.write_record(before.state, record):
                     return before
                 continue
             if await self._store.write_record(before.state, None, delete=(run_id, key, record.owner)):
-                await self._refund_tool_call(run_id, now)
+                await self._refund_tool_call(run_id, verdict.now)
                 return before
 
     async def _refund_tool_call(self, run_id: str, now: float) -> None:
-        def decide(state: RunState | None) -> RunState | None:
+        def decide(state: base.RunState | None) -> base.RunState | None:
             if state is None or state.tool_calls_executed == 0:
                 return None
             state.tool_calls_executed -= 1
@@ -424,26 +389,28 @@ class RedisLedger(Ledger):
 
     # -- faults ---------------------------------------------------------------------------------
 
-    def drain_in_doubt(self) -> list[Reservation | IdempotencyRecord]:
+    def drain_in_doubt(self) -> list[base.Reservation | base.IdempotencyRecord]:
         taken, self._in_doubt = self._in_doubt, []
         return taken
 
-    async def release_tool_call(self, record: IdempotencyRecord) -> None:
+    async def release_tool_call(self, record: base.IdempotencyRecord) -> None:
         current = await self.get_tool_call(record.run_id, record.key)
         if (
             current is None
-            or current.state != IN_FLIGHT
+            or current.state != base.IN_FLIGHT
             or current.owner != self.owner
             or current.created_at != record.created_at
         ):
             return  # never written, or another attempt's record by now: not ours to drop
-        if await self._store.write_record(IN_FLIGHT, None, delete=(record.run_id, record.key, self.owner)):
+        if await self._store.write_record(
+            base.IN_FLIGHT, None, delete=(record.run_id, record.key, self.owner)
+        ):
             self._mine.pop((record.run_id, record.key), None)
             await self._refund_tool_call(record.run_id, time.time())
 
     # -- recovery -------------------------------------------------------------------------------
 
-    async def recover(self) -> list[RecoveredReservation]:
+    async def recover(self) -> list[base.RecoveredReservation]:
         await self._liveness.start()
         return await self._recovery.sweep()
 

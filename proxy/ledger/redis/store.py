@@ -143,26 +143,31 @@ class RedisStore:
 
     async def settle_swept(self, version: str, state: RunState, reservation_id: str, owner: str) -> int:
         """The run, with the reservation dropped from `swept:{owner}`. -1: not there (any more)."""
-        k = self.keys
-        keys = [k.run(state.run_id), k.swept(owner), k.reservations(owner)]
-        return await self._write_reservation(self.scripts.move_res, keys, version, state, reservation_id, "")
+        return await self._move(
+            version, state, reservation_id, self.keys.swept(owner), self.keys.reservations(owner), ""
+        )
 
     async def sweep_reservation(
         self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str
     ) -> int:
         """The run, with the reservation moved from `res:{owner}` to `swept:{owner}`."""
-        k = self.keys
-        keys = [k.run(state.run_id), k.reservations(owner), k.swept(owner)]
-        return await self._write_reservation(
-            self.scripts.move_res, keys, version, state, reservation_id, entry
+        return await self._move(
+            version, state, reservation_id, self.keys.reservations(owner), self.keys.swept(owner), entry
         )
 
     async def take_back_reservation(
         self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str
     ) -> int:
         """The run, with the reservation moved back from `swept:{owner}` to `res:{owner}`."""
-        k = self.keys
-        keys = [k.run(state.run_id), k.swept(owner), k.reservations(owner)]
+        return await self._move(
+            version, state, reservation_id, self.keys.swept(owner), self.keys.reservations(owner), entry
+        )
+
+    async def _move(
+        self, version: str, state: RunState, reservation_id: str, source: str, target: str, entry: bytes | str
+    ) -> int:
+        """The run, with the reservation moved from `source` to `target` (dropped: `entry` "")."""
+        keys = [self.keys.run(state.run_id), source, target]
         return await self._write_reservation(
             self.scripts.move_res, keys, version, state, reservation_id, entry
         )

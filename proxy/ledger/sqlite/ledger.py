@@ -36,31 +36,7 @@ from pathlib import Path
 
 from proxy.caps import RunCaps
 from proxy.errors import Rejection
-from proxy.ledger.base import (
-    COMPLETED,
-    DEFAULT_RETENTION_S,
-    IN_FLIGHT,
-    UNKNOWN,
-    CapsChange,
-    IdempotencyRecord,
-    Ledger,
-    RecordNotUnknown,
-    RecoveredReservation,
-    Reservation,
-    RunState,
-    Settlement,
-    StepRequest,
-    ToolCallRequest,
-    ToolCallStart,
-    apply_caps_change,
-    apply_settlement,
-    apply_unrecovery,
-    check_live,
-    decide_step,
-    decide_tool_call,
-    merge_caps,
-    new_run,
-)
+from proxy.ledger import base
 from proxy.ledger.sqlite import recovery
 from proxy.ledger.sqlite.liveness import OwnerFiles
 from proxy.ledger.sqlite.schema import (
@@ -83,7 +59,7 @@ log = logging.getLogger("runcap.ledger")
 MIN_FREE_BYTES = 1 << 20
 
 
-class SQLiteLedger(Ledger):
+class SQLiteLedger(base.Ledger):
     name = "sqlite"
     # Each operation waits at most the busy timeout (the ledger's operation timeout), on the
     # event loop's thread: an asyncio timeout around it could only fire after the fact.
@@ -92,7 +68,7 @@ class SQLiteLedger(Ledger):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        retention_s: float = DEFAULT_RETENTION_S,
+        retention_s: float = base.DEFAULT_RETENTION_S,
         *,
         busy_timeout_s: float = 10.0,
     ) -> None:
@@ -118,25 +94,27 @@ class SQLiteLedger(Ledger):
 
     # -- the request path: batched transactions (writer.py) ------------------------------------
 
-    async def begin_step(self, req: StepRequest) -> Reservation:
+    async def begin_step(self, req: base.StepRequest) -> base.Reservation:
         res = await self._writes.run(lambda: self._begin_step(req), in_doubt=True)
         self._writes.open += 1
         return res
 
-    async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+    async def settle(
+        self, reservation: base.Reservation, settlement: base.Settlement, now: float
+    ) -> base.RunState:
         self._writes.open = max(0, self._writes.open - 1)
         return await self._writes.run(lambda: self._settle(reservation, settlement, now))
 
-    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> base.RunState:
         return await self._writes.run(lambda: self._touch_run(run_id, task, caps, now))
 
-    def drain_in_doubt(self) -> list[Reservation | IdempotencyRecord]:
+    def drain_in_doubt(self) -> list[base.Reservation | base.IdempotencyRecord]:
         return self._writes.drain_in_doubt()
 
-    def _begin_step(self, req: StepRequest) -> Reservation:
-        state = load_run(self._db, req.run_id) or new_run(req.run_id, req.task, req.caps, req.now)
+    def _begin_step(self, req: base.StepRequest) -> base.Reservation:
+        state = load_run(self._db, req.run_id) or base.new_run(req.run_id, req.task, req.caps, req.now)
         try:
-            res = decide_step(state, req)
+            res = base.decide_step(state, req)
         finally:
             save_run(self._db, state)  # a rejection changed the run's status too
         self._db.execute(
@@ -146,7 +124,9 @@ class SQLiteLedger(Ledger):
         )
         return res
 
-    def _settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
+    def _settle(
+        self, reservation: base.Reservation, settlement: base.Settlement, now: float
+    ) -> base.RunState:
         db = self._db
         gone = (
             db.execute(
@@ -168,8 +148,8 @@ class SQLiteLedger(Ledger):
             # A sweep charged it at its reserved amount (this process was thought dead): the
             # real usage replaces that charge — never charged twice, never left at the guess.
             usd, tin, tout = swept
-            apply_unrecovery(state, usd, tin, tout, now)
-            apply_settlement(state, reservation, settlement, now)
+            base.apply_unrecovery(state, usd, tin, tout, now)
+            base.apply_settlement(state, reservation, settlement, now)
             save_run(self._db, state)
             log.warning(
                 "reservation %s of run %s had been charged at its reserved amount by a sweep; "
@@ -178,59 +158,52 @@ class SQLiteLedger(Ledger):
         elif gone:
             log.warning("reservation %s of run %s was already settled", reservation.id, reservation.run_id)
         else:
-            apply_settlement(state, reservation, settlement, now)
+            base.apply_settlement(state, reservation, settlement, now)
             save_run(self._db, state)
         return state
 
-    def _touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
-        state = load_run(self._db, run_id)
-        if state is None:
-            state = new_run(run_id, task, caps, now)
-        else:
-            merge_caps(state, task, caps, now)
+    def _touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> base.RunState:
+        state = base.touched_run(load_run(self._db, run_id), run_id, task, caps, now)
         try:
-            check_live(state, now)
+            base.check_live(state, now)
         finally:
             save_run(self._db, state)
         return state
 
-    async def get_run(self, run_id: str) -> RunState | None:
+    async def get_run(self, run_id: str) -> base.RunState | None:
         return load_run(self._db, run_id)
 
-    async def cancel(self, run_id: str, now: float) -> RunState | None:
+    async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         return self._update(run_id, now, cancel=True)
 
     async def set_status(self, run_id: str, status: str, now: float) -> None:
         self._update(run_id, now, status=status)
 
-    async def set_caps(self, run_id: str, change: CapsChange, now: float) -> tuple[RunCaps, RunState] | None:
+    async def set_caps(
+        self, run_id: str, change: base.CapsChange, now: float
+    ) -> tuple[RunCaps, base.RunState] | None:
         with transaction(self._db):
             state = load_run(self._db, run_id)
             if state is None:
                 return None
             before = state.caps
-            apply_caps_change(state, change, now)
+            base.apply_caps_change(state, change, now)
             save_run(self._db, state)
             return before, state
 
     def _update(
         self, run_id: str, now: float, *, cancel: bool = False, status: str | None = None
-    ) -> RunState:
+    ) -> base.RunState:
         with transaction(self._db):
-            state = load_run(self._db, run_id) or new_run(run_id, "", RunCaps(), now)
-            if cancel:
-                state.cancelled = True
-                state.status = "cancelled"
-            elif status and state.status != "cancelled":
-                state.status = status
-            state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+            state = load_run(self._db, run_id) or base.new_run(run_id, "", RunCaps(), now)
+            base.apply_status(state, now, cancel=cancel, status=status)
             save_run(self._db, state)
             return state
 
     # -- recovery (recovery.py) ------------------------------------------------------------------
 
-    async def recover(self) -> list[RecoveredReservation]:
-        recovered: list[RecoveredReservation] = []
+    async def recover(self) -> list[base.RecoveredReservation]:
+        recovered: list[base.RecoveredReservation] = []
         for owner in recovery.other_owners(self._db, self.owner):
             with self._owners.holding_dead(owner) as dead:
                 if not dead:
@@ -273,13 +246,13 @@ class SQLiteLedger(Ledger):
             return "ledger_error"  # "disk I/O error", a damaged file...
         return super().failure_code(exc)
 
-    async def begin_tool_call(self, req: ToolCallRequest) -> ToolCallStart:
+    async def begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
         with transaction(self._db) as db:
-            state = load_run(self._db, req.run_id) or new_run(req.run_id, req.task, req.caps, req.now)
+            state = load_run(self._db, req.run_id) or base.new_run(req.run_id, req.task, req.caps, req.now)
             record = load_record(self._db, req.run_id, req.key) if req.key is not None else None
-            alive = record is not None and record.state == IN_FLIGHT and self._owners.alive(record.owner)
+            alive = record is not None and record.state == base.IN_FLIGHT and self._owners.alive(record.owner)
             try:
-                start = decide_tool_call(state, record, req, self.owner, alive)
+                start = base.decide_tool_call(state, record, req, self.owner, alive)
             except Rejection:
                 save_run(self._db, state)
                 if record is not None:  # e.g. a dead owner's in-flight record, now unknown
@@ -296,22 +269,22 @@ class SQLiteLedger(Ledger):
         self._db.execute(
             "UPDATE tool_calls SET state = ?, status = ?, headers = ?, body = ?, updated_at = ?, error = '' "
             "WHERE run_id = ? AND key = ?",
-            (COMPLETED, status, json.dumps(headers), body, now, run_id, key),
+            (base.COMPLETED, status, json.dumps(headers), body, now, run_id, key),
         )
 
     async def mark_unknown(self, run_id: str, key: str, now: float, reason: str = "") -> None:
         self._db.execute(
             "UPDATE tool_calls SET state = ?, updated_at = ?, error = ? "
             "WHERE run_id = ? AND key = ? AND state = ?",
-            (UNKNOWN, now, reason, run_id, key, IN_FLIGHT),
+            (base.UNKNOWN, now, reason, run_id, key, base.IN_FLIGHT),
         )
 
-    async def get_tool_call(self, run_id: str, key: str) -> IdempotencyRecord | None:
+    async def get_tool_call(self, run_id: str, key: str) -> base.IdempotencyRecord | None:
         return load_record(self._db, run_id, key)
 
     async def list_tool_calls(
         self, state: str | None = None, run_id: str | None = None, limit: int = 1000
-    ) -> list[IdempotencyRecord]:
+    ) -> list[base.IdempotencyRecord]:
         where, args = [], []
         if state is not None:
             where.append("state = ?")
@@ -325,29 +298,28 @@ class SQLiteLedger(Ledger):
         rows = self._db.execute(sql + " ORDER BY created_at LIMIT ?", (*args, limit)).fetchall()
         return [row_to_record(r) for r in rows]
 
-    async def resolve_tool_call(
-        self,
-        run_id: str,
-        key: str,
-        *,
-        done: bool,
-        now: float,
-        status: int = 200,
-        headers: dict[str, str] | None = None,
-        body: bytes = b"",
-        force: bool = False,
-    ) -> IdempotencyRecord | None:
+    async def apply_verdict(
+        self, run_id: str, key: str, verdict: base.Verdict
+    ) -> base.IdempotencyRecord | None:
         with transaction(self._db) as db:
             record = load_record(self._db, run_id, key)
             if record is None:
                 return None
-            if record.state != UNKNOWN and not force:
-                raise RecordNotUnknown(record)
-            if done:
+            if record.state != base.UNKNOWN and not verdict.force:
+                raise base.RecordNotUnknown(record)
+            if verdict.done:
                 db.execute(
                     "UPDATE tool_calls SET state = ?, status = ?, headers = ?, body = ?, updated_at = ?, "
                     "error = '' WHERE run_id = ? AND key = ?",
-                    (COMPLETED, status, json.dumps(headers or {}), body, now, run_id, key),
+                    (
+                        base.COMPLETED,
+                        verdict.status,
+                        json.dumps(verdict.headers or {}),
+                        verdict.body,
+                        verdict.now,
+                        run_id,
+                        key,
+                    ),
                 )
             else:
                 # It did not happen: the next attempt executes, and this one is not counted.
@@ -355,7 +327,8 @@ class SQLiteLedger(Ledger):
                 state = load_run(self._db, run_id)
                 if state is not None and state.tool_calls_executed > 0:
                     state.tool_calls_executed -= 1
-                    state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+                    # argMax(updated_at) picks the newest
+                    state.updated_at = max(state.updated_at, verdict.now)
                     save_run(self._db, state)
             return record
 

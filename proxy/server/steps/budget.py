@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import replace
 from decimal import Decimal
-from typing import TypeVar
 
 from proxy.caps import RunCaps
 from proxy.config import Config
@@ -55,7 +53,6 @@ def passthrough_allowed(patterns: tuple[str, ...], path: str) -> bool:
 
 
 _MTOK = Decimal(1_000_000)
-T = TypeVar("T")
 
 
 def pricing_provider(flow: Flow) -> str:
@@ -85,7 +82,7 @@ class BudgetStep(FlowStep):
             # A pass-through call reserves nothing, but a cancelled or expired run stays stopped.
             caps = run.caps
             if not run.generated:
-                flow.state = await self._timed(
+                flow.state = await self.metrics.timed_ledger_op(
                     "touch", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
                 )
                 caps = flow.state.caps
@@ -146,7 +143,7 @@ class BudgetStep(FlowStep):
             self._apply_reservation(flow, res)
             return
         try:
-            res = await self._timed("reserve", self.ledger.begin_step(req))
+            res = await self.metrics.timed_ledger_op("reserve", self.ledger.begin_step(req))
         except LedgerUnavailable:
             raise  # no second ledger call for the span: it would only wait to fail again
         except Rejection:
@@ -234,7 +231,9 @@ class BudgetStep(FlowStep):
         try:
             # This call first, in its own request (earlier failures are retried in the
             # background); shielded: a cancel or deadline arriving now must not lose what it used.
-            flow.state = await asyncio.shield(self._timed("settle", self.ledger.settle(res, settlement, now)))
+            flow.state = await asyncio.shield(
+                self.metrics.timed_ledger_op("settle", self.ledger.settle(res, settlement, now))
+            )
         except Exception as e:
             self._retry_unsettled(res, settlement, now, e)
             return
@@ -333,13 +332,6 @@ class BudgetStep(FlowStep):
             no_answer=no_answer,
             upstream_failed=upstream_failed,
         )
-
-    async def _timed(self, op: str, call: Awaitable[T]) -> T:
-        t0 = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self.metrics.ledger_op(op, time.perf_counter() - t0)
 
 
 # Statuses the official SDKs retry (and providers use for "overloaded", "rate limited", "try

@@ -39,6 +39,7 @@ from proxy.errors import LedgerUnavailable
 from proxy.hashing import args_hash, canonical_json, result_hash
 from proxy.ledger.base import RunState
 from proxy.money import NANOS_PER_USD
+from proxy.providers.base import ToolCall
 from proxy.server.flow import Flow, FlowStep
 from proxy.spans.model import Payload, RunSnapshot, Span
 from proxy.spans.recorder import SpanRecorder, sha256_hex
@@ -286,8 +287,10 @@ class TraceStep(FlowStep):
         )
         spans = [model_span]
 
-        def child(**fields: Any) -> Span:
-            """A span of this call's tool traffic: same run, trace and labels, under the call."""
+        def child(kind: str, at_step: int, at: datetime, tool: str, call_id: str, **fields: Any) -> Span:
+            """A span of this call's tool traffic: same run, trace and labels, under the call, with
+            this call's status (a tool_result span: the status of the call whose request carried
+            the result, as tool_call spans carry the status of the response they were seen in)."""
             return Span(
                 run_id=model_span.run_id,
                 trace_id=model_span.trace_id,
@@ -296,6 +299,12 @@ class TraceStep(FlowStep):
                 provider=model_span.provider,
                 model=model_span.model,
                 endpoint=model_span.endpoint,
+                kind=kind,
+                step=at_step,
+                started_at=at,
+                status_code=flow.status,
+                tool_name=tool,
+                tool_call_id=call_id,
                 **fields,
             )
 
@@ -308,50 +317,39 @@ class TraceStep(FlowStep):
                 self._results.remember(key, (step, ""))
                 # The step that requested the call, when this process saw it requested.
                 call_step, tool_name = self._calls.get(key, (step, ""))
+                outcome = "error" if result.is_error else "ok"
+                result_digest = tool_result_hash(result.content)
                 spans.append(
                     child(
-                        kind="tool_result",
-                        step=call_step,
-                        started_at=started,
-                        # the status of the call whose request carried the result, as tool_call
-                        # spans carry the status of the response they were seen in
-                        status_code=flow.status,
-                        outcome="error" if result.is_error else "ok",
-                        tool_name=tool_name,
-                        tool_call_id=result.tool_call_id,
-                        result_hash=tool_result_hash(result.content),
+                        "tool_result",
+                        call_step,
+                        started,
+                        tool_name,
+                        result.tool_call_id,
+                        outcome=outcome,
+                        result_hash=result_digest,
                     )
                 )
         if resp is not None:
             ended = started + timedelta(milliseconds=flow.duration_ms)
             for call in resp.tool_calls:
                 self._calls.remember((flow.run.run_id, call.id), (step, call.name))
+            # Provider-executed calls (a remote MCP server, web search...) are counted against
+            # X-Run-Max-Tool-Calls; the agent sends no result for them.
+            calls: list[tuple[ToolCall, dict[str, str]]] = [(call, {}) for call in resp.tool_calls]
+            calls += [(call, {"tool.executed_by": "provider"}) for call in resp.provider_tool_calls]
+            for call, extra in calls:
+                digest = args_hash(call.arguments)
                 spans.append(
                     child(
-                        kind="tool_call",
-                        step=step,
-                        started_at=ended,
-                        status_code=flow.status,
+                        "tool_call",
+                        step,
+                        ended,
+                        call.name,
+                        call.id,
                         outcome=flow.outcome,
-                        tool_name=call.name,
-                        tool_call_id=call.id,
-                        args_hash=args_hash(call.arguments),
-                    )
-                )
-            for call in resp.provider_tool_calls:
-                # Executed by the provider for the model (a remote MCP server, web search...):
-                # counted against X-Run-Max-Tool-Calls; the agent sends no result for it.
-                spans.append(
-                    child(
-                        kind="tool_call",
-                        step=step,
-                        started_at=ended,
-                        status_code=flow.status,
-                        outcome=flow.outcome,
-                        tool_name=call.name,
-                        tool_call_id=call.id,
-                        args_hash=args_hash(call.arguments),
-                        attributes={"tool.executed_by": "provider"},
+                        args_hash=digest,
+                        attributes=extra,
                     )
                 )
         rec.step(spans, run_snapshot(state) if state is not None else None, bodies, on_done=on_done)
