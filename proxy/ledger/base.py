@@ -364,7 +364,7 @@ class Ledger(abc.ABC):
     async def apply_verdict(self, run_id: str, key: str, verdict: Verdict) -> IdempotencyRecord | None:
         """`resolve_tool_call` with its verdict as one value: what each backend implements."""
 
-    # -- provider objects and the tenant that created each (server/tenant_objects.py) ----------
+    # -- provider objects and the tenant that created each (server/steps/tenant_objects.py) ----------
 
     @abc.abstractmethod
     async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:

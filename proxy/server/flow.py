@@ -129,7 +129,7 @@ class Flow:
     def shares_key(self) -> bool:
         """A tenant's call sent with the key every tenant shares: what the provider holds for that
         key (files, stored responses...) is every tenant's, unless runcap keeps them apart
-        (server/tenant_objects.py)."""
+        (server/steps/tenant_objects.py)."""
         return self.tenant is not None and self.api_key is not None and self.api_key == self.upstream.api_key
 
     @property
@@ -168,7 +168,7 @@ class FlowStep:
         """The agent's own call answered in full and successfully (buffered, status < 400), after
         the response hooks: a step may answer in the upstream's place — `flow.answer` and
         `flow.status` — or raise the `Rejection` the agent gets instead (the `runcap_fetch` loop:
-        server/context.py). Not called for runcap's own calls."""
+        server/steps/context.py). Not called for runcap's own calls."""
 
     async def done(self, flow: Flow) -> None:
         """The exchange is over (or failed); called once for every flow."""

@@ -4,7 +4,7 @@ It knows HTTP, not budgets: reading the request, the exchange (one `OutboundClie
 bounded by the run's deadline; headers by server/outbound.py's credential rule), streaming relay
 chunk by chunk, and turning a cut (deadline, cancel, client gone, upstream reset) into the right
 answer for the agent. Everything else is a `FlowStep` the `Pipeline` (server/flow.py) calls —
-context policies and the `runcap_fetch` loop included (server/context.py).
+context policies and the `runcap_fetch` loop included (server/steps/context.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ and hashes a body without writing it (the hash goes in the span first). `span()`
 together when it ends (one write for all of them: the steps that end in one event-loop turn).
 
 A step's `on_done` is told when its record's fate is known — "" once it is in the WAL, else why
-it was dropped — so that the caller answers only what is on record (server/trace.py). While the
+it was dropped — so that the caller answers only what is on record (server/steps/trace.py). While the
 WAL has no room a record is held in memory (bounded: `wal_hold_bytes`, `wal_hold_ms`), and
 `on_done` waits with it; `flush_held()` tries the held records again.
 """

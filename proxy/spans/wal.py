@@ -29,7 +29,7 @@ Writer (one per process; not thread-safe — the event loop is its only caller):
   held in memory — up to `hold_bytes` and `hold_s` — and appended first, before any newer record,
   once there is room again (the next append, or `flush_held()`). A record past either bound is
   dropped: counted one per record (a record is one step), logged with the runs it held, and its
-  `on_done` told so. The caller that waits for `on_done` (server/trace.py) answers only once its
+  `on_done` told so. The caller that waits for `on_done` (server/steps/trace.py) answers only once its
   record is in the WAL, or refuses the call: no answer goes out for a step that is only held, so a
   restart, which loses what is held, loses nothing that was answered (`close()` appends what it can
   and drops the rest, counted). Without `hold_bytes` a record that cannot be appended is dropped

@@ -1,5 +1,5 @@
 """A tool call through runcap, whatever the wire it came on — what both tool gateways share:
-`/tools/{name}` (plain HTTP, server/tools.py) and MCP `tools/call` (`/mcp/{name}`, proxy/mcp/).
+`/tools/{name}` (plain HTTP, proxy/tools/gateway.py) and MCP `tools/call` (`/mcp/{name}`, proxy/mcp/).
 The gateways differ only in how they forward the call and shape the answer; neither imports the
 other, both import this.
 

@@ -1,4 +1,4 @@
-"""How long a tool call may take: the one place the tool gateways (server/tools.py, proxy/mcp/)
+"""How long a tool call may take: the one place the tool gateways (proxy/tools/gateway.py, proxy/mcp/)
 turn the run's deadline — and a tool's own `timeout_s` — into a call's timeout and the
 `X-Run-Deadline` / `X-Run-Remaining-Ms` a tool is told. The arithmetic is server/outbound.py's.
 """

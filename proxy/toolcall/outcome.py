@@ -1,5 +1,5 @@
 """What a tool call's outcome is, once runcap has tried to send it — one rule for `/tools/{name}`
-(server/tools.py) and MCP `tools/call` (proxy/mcp/), so that at-most-once does not depend on
+(proxy/tools/gateway.py) and MCP `tools/call` (proxy/mcp/), so that at-most-once does not depend on
 which wire a call came on.
 
 Once the request's bytes may have reached the server, the outcome is:

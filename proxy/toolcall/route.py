@@ -1,4 +1,4 @@
-"""What a tool gateway — `/tools/{name}` (server/tools.py) or `/mcp/{name}` (proxy/mcp/) — is
+"""What a tool gateway — `/tools/{name}` (proxy/tools/gateway.py) or `/mcp/{name}` (proxy/mcp/) — is
 built on (`ToolRoute`), and the connection pool to tool services and MCP servers they share
 (`ToolClient`).
 """
@@ -33,7 +33,7 @@ class ToolClient(OutboundClient):
 
 @dataclass(eq=False)
 class ToolRoute:
-    """What `/tools/{name}` (server/tools.py) and `/mcp/{name}` (proxy/mcp/) are built on: the
+    """What `/tools/{name}` (proxy/tools/gateway.py) and `/mcp/{name}` (proxy/mcp/) are built on: the
     ledger's side of a tool call, the shared tool-side pool, the span recorder, the client
     tokens, and the in-flight calls a cancel can cut. A gateway that builds more parts does it
     in `__post_init__` (after this one's)."""

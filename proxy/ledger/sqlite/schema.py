@@ -73,7 +73,7 @@ CREATE TABLE IF NOT EXISTS swept_reservations (
 -- One row per live process, rewritten by each readiness check: proves the file takes writes.
 CREATE TABLE IF NOT EXISTS probe (owner TEXT PRIMARY KEY, at REAL NOT NULL) WITHOUT ROWID;
 -- Provider objects (files, stored responses, batches...) and the tenant that created each, for
--- tenants sharing one provider key (server/tenant_objects.py). Not purged: objects outlive runs.
+-- tenants sharing one provider key (server/steps/tenant_objects.py). Not purged: objects outlive runs.
 CREATE TABLE IF NOT EXISTS provider_objects (
     account TEXT NOT NULL,
     object_id TEXT NOT NULL,

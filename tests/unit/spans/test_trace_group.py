@@ -1,4 +1,4 @@
-"""The trace step records the steps that end in one event-loop turn together (server/trace.py):
+"""The trace step records the steps that end in one event-loop turn together (server/steps/trace.py):
 each `done` returns only once its record is written, a group is one write, and a waiter that is
 cancelled (shutdown) does not take its record — or anyone else's — with it. While the WAL has no
 room (a failing `writev`: tests/support/disk.py) `done` waits with its held record, and a record

@@ -77,7 +77,7 @@ def test_one_step_is_one_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_group_is_one_write_of_whole_records_in_order(tmp_path: Path, monkeypatch) -> None:
-    """The steps that end in one event-loop turn (server/trace.py) are written together: one
+    """The steps that end in one event-loop turn (server/steps/trace.py) are written together: one
     writev for the group, each record still its own frame; past the limit of buffers per call,
     more writevs of whole records."""
     import proxy.spans.wal as wal_module
