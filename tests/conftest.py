@@ -216,3 +216,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # test module never imports a fixture from another test module).
 from tests.support.ledgers import make_ledger  # noqa: E402, F401
 from tests.support.mcp_agent import servers  # noqa: E402, F401
+from tests.support.tool_service import stub, tool  # noqa: E402, F401

@@ -20,7 +20,6 @@ from proxy.queryfiles import bind, load_query
 from tests.support.clickhouse import wait_rows
 from tests.support.mcp_agent import mcp_config, session
 from tests.support.tool_agent import call, tools_config, wait_for
-from tests.support.tool_service import ToolService
 
 COUNTS = ("times", "ran", "unknown", "replays", "refused")
 
@@ -41,13 +40,6 @@ async def duplicates(rc, run_id: str, spans: int) -> dict[str, Any]:  # type: ig
     found = [dict(zip(columns, row, strict=True)) for row in rows]
     (row,) = [r for r in found if r["seen_as"] == "executed"]
     return row
-
-
-@pytest.fixture
-async def tool():  # type: ignore[no-untyped-def]
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 async def resolve_done(rc, key: str) -> None:  # type: ignore[no-untyped-def]

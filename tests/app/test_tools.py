@@ -10,7 +10,6 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 
@@ -21,14 +20,6 @@ import pytest
 from tests.conftest import REPO, RuncapProcess
 from tests.support.redis_server import wait_subscribed
 from tests.support.tool_agent import call, tools_config, wait_for
-from tests.support.tool_service import ToolService
-
-
-@pytest.fixture
-async def tool() -> AsyncIterator[ToolService]:
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 def rid(prefix: str) -> str:

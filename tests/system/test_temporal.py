@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -122,13 +122,6 @@ async def temporal(temporal_server: TemporalDevServer) -> Client:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.1)
-
-
-@pytest.fixture
-async def tool() -> AsyncIterator[ToolService]:
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 def runcap_extra(tool: ToolService, **extra: Any) -> dict[str, Any]:
