@@ -173,6 +173,17 @@ class RuncapProcess:
         stop_process(self.proc, grace_s=15)
 
 
+def reconcile(*args: str) -> subprocess.CompletedProcess[str]:
+    """`runcap reconcile ARGS` in its own process, as an operator runs it after a kill -9."""
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "reconcile", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 # -- redis-server (tests/support/redis_server.py) ----------------------------------------------
 
 
