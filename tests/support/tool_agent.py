@@ -11,14 +11,15 @@ from tests.support.raw_http import json_bytes, json_or, request
 from tests.support.tool_service import ToolService
 
 
+def refund_tool(svc: ToolService) -> dict[str, Any]:
+    """The side-effecting refund tool of `svc`, its calls told apart by order and amount."""
+    return {"url": f"{svc.url}/refund", "side_effects": True, "key_fields": ["order_id", "amount"]}
+
+
 def tools_config(svc: ToolService, **extra: Any) -> dict[str, Any]:
     return {
         "tools": {
-            "refund": {
-                "url": f"{svc.url}/refund",
-                "side_effects": True,
-                "key_fields": ["order_id", "amount"],
-            },
+            "refund": refund_tool(svc),
             "notify": {"url": f"{svc.url}/notify"},  # by method
             "slow": {"url": f"{svc.url}/slow", "timeout_s": 0.5},
         },

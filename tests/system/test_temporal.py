@@ -47,6 +47,7 @@ from proxy.spans.model import trace_id_for_run
 from tests.conftest import REPO, RuncapProcess, free_port
 from tests.support.clickhouse import wait_rows
 from tests.support.processes import stop_process
+from tests.support.tool_agent import refund_tool
 from tests.support.tool_service import ToolService
 
 REFUND_ARGS = {"order_id": "o-1", "amount": 12}
@@ -127,11 +128,7 @@ async def temporal(temporal_server: TemporalDevServer) -> Client:
 def runcap_extra(tool: ToolService, **extra: Any) -> dict[str, Any]:
     return {
         "tools": {
-            "refund": {
-                "url": f"{tool.url}/refund",
-                "side_effects": True,
-                "key_fields": ["order_id", "amount"],
-            },
+            "refund": refund_tool(tool),
             "lookup": {"url": f"{tool.url}/lookup", "side_effects": True},
         },
         **extra,
