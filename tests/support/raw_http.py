@@ -35,3 +35,8 @@ async def request(
     async with aiohttp.ClientSession() as s, s.request(method, url, data=data, headers=headers) as r:
         return r.status, dict(r.headers), await r.read()
 
+
+async def post_json(url: str, body: Any, headers: Mapping[str, str]) -> tuple[int, Any]:
+    """POST `body` as JSON; the status and the JSON answer (an answer that is not JSON fails)."""
+    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=headers) as r:
+        return r.status, await r.json()
