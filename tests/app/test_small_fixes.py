@@ -73,8 +73,6 @@ def test_mock_upstream_help_and_port() -> None:
     assert "default 127.0.0.1:8790" in done.stdout and "9100" not in done.stdout
 
 
-
-
 async def test_an_mcp_tool_never_listed_is_refused_not_forwarded(servers, runcap_factory):  # type: ignore[no-untyped-def]
     server = servers("stateful-json")
     rc = await runcap_factory(mcp_config(server))

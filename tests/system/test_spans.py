@@ -228,10 +228,7 @@ async def test_cancel_shows_in_the_runs_table_at_once(runcap_factory, upstream):
     await c.chat.completions.create(model="gpt-4o-mini", messages=messages, extra_headers=h)
     async with aiohttp.ClientSession() as s, s.post(f"{rc.url}/runs/cx-row/cancel", headers=rc.admin) as r:
         assert r.status == 200
-    query = (
-        "SELECT status FROM runcap.runs WHERE run_id = 'cx-row' "
-        "ORDER BY updated_at DESC LIMIT 1"
-    )
+    query = "SELECT status FROM runcap.runs WHERE run_id = 'cx-row' ORDER BY updated_at DESC LIMIT 1"
     deadline = time.monotonic() + 20
     while (rows := await sql(rc, query)) != [{"status": "cancelled"}] and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
