@@ -173,6 +173,17 @@ class RuncapProcess:
         stop_process(self.proc, grace_s=15)
 
 
+def reconcile(*args: str) -> subprocess.CompletedProcess[str]:
+    """`runcap reconcile ARGS` in its own process, as an operator runs it after a kill -9."""
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "reconcile", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 # -- redis-server (tests/support/redis_server.py) ----------------------------------------------
 
 
@@ -216,3 +227,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # test module never imports a fixture from another test module).
 from tests.support.ledgers import make_ledger  # noqa: E402, F401
 from tests.support.mcp_agent import servers  # noqa: E402, F401
+from tests.support.tool_service import stub, tool  # noqa: E402, F401

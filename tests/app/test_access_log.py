@@ -13,18 +13,10 @@ import pytest
 
 from tests.support.mcp_agent import mcp_config, session
 from tests.support.tool_agent import call, tools_config
-from tests.support.tool_service import ToolService
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     return [json.loads(r.getMessage()) for r in caplog.records if r.name == "runcap.access"]
-
-
-@pytest.fixture
-async def tool():  # type: ignore[no-untyped-def]
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 async def test_tools_calls_are_logged(runcap_factory, tool, caplog):  # type: ignore[no-untyped-def]

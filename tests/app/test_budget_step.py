@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -22,14 +21,6 @@ from tests.support.stub_upstream import send, stub_config
 from tests.support.tool_service import ToolService
 
 CAPPED = {"X-Run-Id": "allow", "X-Run-Max-Usd": "1"}
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[ToolService]:
-    """The recording stub every upstream points at (tests/app/test_trust_boundary.py's config)."""
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 def unsettled(rc: Runcap) -> float:

@@ -37,13 +37,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-async def tool():  # type: ignore[no-untyped-def]
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
-
-
 def tools_config(svc: ToolService) -> dict[str, Any]:
     return {
         "tools": {

@@ -20,7 +20,14 @@ import pytest
 
 from proxy.context import FETCH_TOOL, HANDLE_PREFIX
 from proxy.scripted_upstream import ScriptedUpstream, handles_in
-from tests.support.context_agents import FORMATS, TOOL, run_agent, tool_result, tool_result_texts
+from tests.support.context_agents import (
+    FORMATS,
+    TOOL,
+    answered_history,
+    run_agent,
+    tool_result,
+    tool_result_texts,
+)
 
 STEPS = 30
 FETCH_AT = 12  # the agent's step at which the model asks for a handle
@@ -139,40 +146,6 @@ async def test_without_a_policy_or_with_nothing_to_offload_the_body_is_forwarded
     assert HANDLE_PREFIX in upstream.last.body["messages"][2]["content"]
 
 
-def _history(fmt: str, pages: int, size: int) -> dict[str, Any]:
-    """A request body whose history holds `pages` answered calls of `read` with `size`-byte results."""
-    if fmt == "chat":
-        msgs: list[Any] = [{"role": "user", "content": "go"}]
-        for i in range(pages):
-            call = {"id": f"c{i}", "type": "function", "function": {"name": TOOL, "arguments": "{}"}}
-            msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": tool_result(i, size)})
-        return {
-            "model": "gpt-4o-mini",
-            "messages": msgs,
-            "tools": [{"type": "function", "function": {"name": TOOL}}],
-        }
-    if fmt == "responses":
-        items: list[Any] = [{"role": "user", "content": "go"}]
-        for i in range(pages):
-            items.append({"type": "function_call", "call_id": f"c{i}", "name": TOOL, "arguments": "{}"})
-            items.append({"type": "function_call_output", "call_id": f"c{i}", "output": tool_result(i, size)})
-        return {"model": "gpt-4o-mini", "input": items, "tools": [{"type": "function", "name": TOOL}]}
-    msgs = [{"role": "user", "content": "go"}]
-    for i in range(pages):
-        msgs.append(
-            {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": TOOL, "input": {}}]}
-        )
-        result = {"type": "tool_result", "tool_use_id": f"t{i}", "content": tool_result(i, size)}
-        msgs.append({"role": "user", "content": [result]})
-    return {
-        "model": "claude-sonnet-4-5",
-        "max_tokens": 512,
-        "messages": msgs,
-        "tools": [{"name": TOOL, "input_schema": {"type": "object"}}],
-    }
-
-
 async def _post(
     rc: Any, fmt: str, body: dict[str, Any], h: dict[str, str]
 ) -> tuple[int, Any, dict[str, str]]:
@@ -199,7 +172,7 @@ async def test_mixed_calls_unknown_handles_and_the_round_limit(
     ]
     upstream.scripts["unknown"] = [{}] * 4 + [{"fetch": {"handle": 99}}, {"text": "sorry"}]
     upstream.scripts["greedy"] = [{}] * 4 + [{"fetch": [{"handle": 0}, {"handle": 1, "length": 10}]}]
-    body = _history(fmt, 4, 4096)
+    body = answered_history(fmt, 4, 4096)
 
     # The model mixes a fetch with the agent's own call: the agent gets its own call only.
     status, answer, _ = await _post(
@@ -251,7 +224,7 @@ async def test_a_cap_that_refuses_the_continuation_refuses_the_agents_request(
     rc = await runcap_factory({"context": {"keep_last_steps": 1, "offload_min_bytes": 1024}})
     # The fetching answer is long: after it, the run's tokens cannot cover the continuation.
     upstream.scripts["costly"] = [{}] * 4 + [{"fetch": {"handle": 0}, "text_tokens": 3000}, {"text": "done"}]
-    body = {**_history("chat", 4, 3000), "max_tokens": 3100}
+    body = {**answered_history("chat", 4, 3000), "max_tokens": 3100}
     done = offload(body, "chat.completions", settings)
     assert done is not None
     forwarded = ChatCompletionsAdapter().parse_request(done.body).input_token_bound
@@ -282,7 +255,7 @@ async def test_fetch_steps_are_traced_and_older_handles_are_read_from_the_payloa
         {"text": "ok"},
     ]
     h = {"X-Run-Id": "traced", "X-Mock-Script": "traced", "X-Run-Context-Policy": "offload"}
-    status, answer, _ = await _post(rc, "chat", _history("chat", 4, 4096), h)
+    status, answer, _ = await _post(rc, "chat", answered_history("chat", 4, 4096), h)
     assert status == 200 and answer["choices"][0]["message"]["content"] == "ok"
 
     # Both model calls are spans of the run, the fetch call and its result too.
@@ -311,7 +284,7 @@ async def test_fetch_steps_are_traced_and_older_handles_are_read_from_the_payloa
     # ...but a handle is a capability of the request that offloaded it, not a key to the store:
     # a later request that does not carry that result (another conversation, a prompt naming a
     # hash seen in a span or injected by a tool's output) cannot read it.
-    later = _history("chat", 4, 4096)
+    later = answered_history("chat", 4, 4096)
     for m in later["messages"]:
         if m.get("role") == "tool":
             m["content"] = m["content"].replace("page", "leaf")  # other results, other handles

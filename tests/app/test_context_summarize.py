@@ -17,6 +17,7 @@ import pytest
 from proxy.context.summarize import SUMMARY_INSTRUCTION, SUMMARY_PREFIX
 from proxy.scripted_upstream import FALLBACK_TEXT, ScriptedUpstream
 from tests.support.context_agents import TOOL, run_agent
+from tests.support.raw_http import post_json
 
 STEPS = 14
 SUMMARY_MODELS = {"chat": "gpt-4o-mini", "responses": "gpt-4o-mini", "messages": "claude-sonnet-4-5"}
@@ -129,12 +130,9 @@ async def test_summarize_without_a_summary_model_is_a_400_naming_the_header_and_
     rc = await runcap_factory()
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
     h = {"X-Run-Context-Policy": "summarize"}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"{rc.url}/v1/chat/completions", json=body, headers=h) as r,
-    ):
-        assert r.status == 400
-        error = (await r.json())["error"]
+    status, answer = await post_json(f"{rc.url}/v1/chat/completions", body, h)
+    assert status == 400
+    error = answer["error"]
     assert error["param"] == "X-Run-Context-Policy" and "summary_model" in error["message"]
     assert upstream.requests == []
 

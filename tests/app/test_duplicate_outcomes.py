@@ -20,7 +20,6 @@ from proxy.queryfiles import bind, load_query
 from tests.support.clickhouse import wait_rows
 from tests.support.mcp_agent import mcp_config, session
 from tests.support.tool_agent import call, tools_config, wait_for
-from tests.support.tool_service import ToolService
 
 COUNTS = ("times", "ran", "unknown", "replays", "refused")
 
@@ -41,13 +40,6 @@ async def duplicates(rc, run_id: str, spans: int) -> dict[str, Any]:  # type: ig
     found = [dict(zip(columns, row, strict=True)) for row in rows]
     (row,) = [r for r in found if r["seen_as"] == "executed"]
     return row
-
-
-@pytest.fixture
-async def tool():  # type: ignore[no-untyped-def]
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 async def resolve_done(rc, key: str) -> None:  # type: ignore[no-untyped-def]
@@ -79,13 +71,18 @@ async def test_tools_unknown_then_refused_then_replayed(runcap_factory, tool):  
     assert tool.executions == 1
 
 
+async def refund_twice(rc, run: str, body: dict[str, Any], status: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The same refund call twice in `run`, each answered `status`; the run's duplicates row."""
+    for _ in range(2):
+        got, _, _ = await call(f"{rc.url}/tools/refund", run, body)
+        assert got == status
+    return await duplicates(rc, run, 2)
+
+
 async def test_tools_ran_then_replayed(runcap_factory, tool):  # type: ignore[no-untyped-def]
     rc = await runcap_factory(tools_config(tool, tracing=True))
     run = rid("dup-ran")
-    for _ in range(2):
-        status, _, _ = await call(f"{rc.url}/tools/refund", run, {"order_id": "A1", "amount": 5})
-        assert status == 200
-    row = await duplicates(rc, run, 2)
+    row = await refund_twice(rc, run, {"order_id": "A1", "amount": 5}, 200)
     assert {k: row[k] for k in COUNTS} == {"times": 2, "ran": 1, "unknown": 0, "replays": 1, "refused": 0}
     assert row["later_all_replayed"] is True
 
@@ -111,10 +108,7 @@ async def test_tools_unreachable_did_not_reach_the_tool(runcap_factory):  # type
     dead = {"url": f"http://127.0.0.1:{free_port()}/refund", "side_effects": True}
     rc = await runcap_factory({"tools": {"refund": dead}, "tracing": True})
     run = rid("dup-down")
-    for _ in range(2):
-        status, _, _ = await call(f"{rc.url}/tools/refund", run, {"order_id": "C3", "amount": 1})
-        assert status == 502
-    row = await duplicates(rc, run, 2)
+    row = await refund_twice(rc, run, {"order_id": "C3", "amount": 1}, 502)
     assert {k: row[k] for k in COUNTS} == {"times": 2, "ran": 0, "unknown": 0, "replays": 0, "refused": 2}
     assert row["outcomes"] == ["error", "error"]
 

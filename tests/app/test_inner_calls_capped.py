@@ -19,22 +19,9 @@ from proxy.context import ContextSettings
 from proxy.context.offload import offload
 from proxy.scripted_upstream import ScriptedUpstream
 from proxy.server.steps.context import text_words
-from tests.support.context_agents import TOOL, tool_result
+from tests.support.context_agents import answered_history, tool_result
 
 PAGE = 8192  # bytes of each tool result in the history; the fetch reads page 0 whole
-
-
-def _history(pages: int) -> dict[str, Any]:
-    msgs: list[Any] = [{"role": "user", "content": "go"}]
-    for i in range(pages):
-        call = {"id": f"c{i}", "type": "function", "function": {"name": TOOL, "arguments": "{}"}}
-        msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": tool_result(i, PAGE)})
-    return {
-        "model": "gpt-4o-mini",
-        "messages": msgs,
-        "tools": [{"type": "function", "function": {"name": TOOL}}],
-    }
 
 
 async def test_a_fetch_continuation_over_the_context_cap_is_refused_like_the_agents_call(
@@ -42,7 +29,7 @@ async def test_a_fetch_continuation_over_the_context_cap_is_refused_like_the_age
 ) -> None:
     rc = await runcap_factory({"context": {"keep_last_steps": 1, "offload_min_bytes": 1024}})
     upstream.scripts["ctx-capped"] = [{}] * 4 + [{"fetch": {"handle": 0, "length": PAGE}}, {"text": "done"}]
-    body = _history(4)
+    body = answered_history("chat", 4, PAGE)
     done = offload(body, "chat.completions", ContextSettings(keep_last_steps=1, offload_min_bytes=1024))
     assert done is not None
     # The forwarded first call (three results offloaded) fits the cap; the continuation adds the
@@ -89,7 +76,7 @@ async def test_the_same_continuation_under_a_cap_it_fits_is_answered(
     }
     async with (
         aiohttp.ClientSession() as s,
-        s.post(f"{rc.url}/v1/chat/completions", json=_history(4), headers=h) as r,
+        s.post(f"{rc.url}/v1/chat/completions", json=answered_history("chat", 4, PAGE), headers=h) as r,
     ):
         status, answer = r.status, await r.json()
     assert status == 200 and answer["choices"][0]["message"]["content"] == "done", answer

@@ -24,6 +24,7 @@ from proxy.config import CapsConfig
 from proxy.errors import InvalidRequest
 from proxy.server.metrics import MAX_LABEL_CHARS
 from tests.conftest import REPO, RuncapProcess
+from tests.support.raw_http import json_bytes, json_or, request
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 BIG = 2**63
@@ -34,17 +35,12 @@ async def send(
     method: str, url: str, body: Any = None, headers: Any = None, raw: bytes | None = None
 ) -> tuple[int, dict[str, Any] | None, str]:
     """One request; `body` is written with the stdlib json (orjson refuses ints beyond 64 bits)."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    data = json_bytes(body, raw)
     hdrs = CIMultiDict(headers or {})
     if data is not None and "Content-Type" not in hdrs:
         hdrs["Content-Type"] = "application/json"
-    async with aiohttp.ClientSession() as s, s.request(method, url, data=data, headers=hdrs) as r:
-        text = await r.text()
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            parsed = None
-        return r.status, parsed, text
+    status, _, answer = await request(method, url, data, hdrs)
+    return status, json_or(answer, None), answer.decode()
 
 
 def error_of(body: dict[str, Any] | None) -> dict[str, Any]:

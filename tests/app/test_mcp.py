@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -25,7 +23,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from proxy.config import ConfigError, build_config
-from tests.conftest import REPO, RuncapProcess, free_port
+from tests.conftest import REPO, RuncapProcess, free_port, reconcile
 from tests.support.mcp_agent import FLAGS, mcp_config, rid, session  # noqa: F401
 from tests.support.mcp_server import MCPServerProcess
 from tests.support.redis_server import wait_subscribed
@@ -375,16 +373,6 @@ async def test_a_batch_is_handled_message_by_message(servers, runcap_factory):  
 
 
 # -- kill -9 and reconcile ------------------------------------------------------------------------
-
-
-def reconcile(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "reconcile", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 async def test_kill9_during_a_call_then_reconcile(servers, tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -23,7 +23,6 @@ from proxy.spans.model import trace_id_for_run
 from proxy.spans.otlp import agent_span_id
 from tests.support.clickhouse import wait_rows
 from tests.support.otlp_receiver import OTLPReceiver, ReceivedSpan
-from tests.support.tool_service import ToolService
 
 TOOLS = [{"type": "function", "function": {"name": "refund", "parameters": {"type": "object"}}}]
 ARGS = {"order_id": "A1", "amount": 5}
@@ -43,13 +42,6 @@ async def receiver() -> AsyncIterator[OTLPReceiver]:
     r = OTLPReceiver().start()
     yield r
     r.stop()
-
-
-@pytest.fixture
-async def tool() -> AsyncIterator[ToolService]:
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 async def wait_spans(receiver: OTLPReceiver, done: Any, what: str) -> list[ReceivedSpan]:

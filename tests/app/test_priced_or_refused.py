@@ -15,31 +15,20 @@ from typing import Any
 
 import aiohttp
 import anthropic
-import genai_prices
 import openai
 import pytest
 
 from proxy.providers.base import Usage
 from proxy.scripted_upstream import ScriptedUpstream
 from tests.support.context_agents import tool_result
+from tests.support.genai_bill import genai_price
 
 NANO = Decimal("1e-9")
 
 
 def bill(provider: str, model: str, usage: Usage, context: dict[str, str] | None = None) -> Decimal:
     """What the provider charges for `usage`, by genai-prices (rounded up to a nano-dollar)."""
-    searches = usage.tool_uses.get("web_search", 0)
-    u = genai_prices.Usage(
-        input_tokens=usage.input_tokens,
-        cache_read_tokens=usage.cache_read_tokens or None,
-        cache_write_tokens=usage.cache_write_tokens or None,
-        output_tokens=usage.output_tokens,
-        input_audio_tokens=usage.input_audio_tokens or None,
-        output_audio_tokens=usage.output_audio_tokens or None,
-        web_searches=searches or None,
-        storage_searches=usage.tool_uses.get("file_search") or None,
-    )
-    price = genai_prices.calc_price(u, model, provider_id=provider, price_context=context)
+    price = genai_price(provider, model, usage, context)
     return price.total_price.quantize(NANO, rounding=ROUND_CEILING)
 
 

@@ -22,7 +22,6 @@ from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 import aiohttp
-import genai_prices
 import pytest
 from genai_prices.data import providers as GENAI_PROVIDERS
 
@@ -33,6 +32,7 @@ from proxy.scripted_upstream import (
     chat_input_tokens,
     responses_input_tokens,
 )
+from tests.support.genai_bill import genai_price
 
 EXAMPLES = 170  # per adapter: 510 in all
 SEED = 20
@@ -59,17 +59,7 @@ def window(provider: str, model: str) -> int:
 
 def bill(provider: str, model: str, usage: Usage, context: dict[str, str] | None) -> Decimal:
     """The provider's bill for what the upstream reported, by genai-prices, plus declared fees."""
-    u = genai_prices.Usage(
-        input_tokens=usage.input_tokens,
-        cache_read_tokens=usage.cache_read_tokens or None,
-        cache_write_tokens=usage.cache_write_tokens or None,
-        output_tokens=usage.output_tokens,
-        input_audio_tokens=usage.input_audio_tokens or None,
-        output_audio_tokens=usage.output_audio_tokens or None,
-        web_searches=usage.tool_uses.get("web_search") or None,
-        storage_searches=usage.tool_uses.get("file_search") or None,
-    )
-    price = genai_prices.calc_price(u, model, provider_id=provider, price_context=context)
+    price = genai_price(provider, model, usage, context)
     total = price.total_price + usage.tool_uses.get("code_execution", 0) * CODE_EXECUTION_USD
     if usage.tool_uses.get("web_search") and price.model_price.web_searches_kcount is None:
         total += usage.tool_uses["web_search"] * WEB_SEARCH_USD

@@ -17,13 +17,6 @@ from tests.support.tool_service import ToolService
 USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-async def tool():  # type: ignore[no-untyped-def]
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
-
-
 def config(tool: ToolService) -> dict:  # type: ignore[type-arg]
     return {
         "tools": {"refund": {"url": f"{tool.url}/refund", "side_effects": True}},

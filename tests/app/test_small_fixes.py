@@ -14,6 +14,7 @@ from mcp.shared.exceptions import MCPError
 from proxy import client
 from tests.conftest import REPO
 from tests.support.mcp_agent import mcp_config, session
+from tests.support.raw_http import post_json
 from tests.support.tool_agent import call, tools_config
 from tests.support.tool_service import ToolService
 
@@ -22,12 +23,9 @@ from tests.support.tool_service import ToolService
 async def test_x_run_max_usd_is_a_plain_decimal(runcap, value):  # type: ignore[no-untyped-def]
     body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
     h = {"X-Run-Id": "usd", "X-Run-Max-Usd": value}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(f"{runcap.openai_url}/chat/completions", json=body, headers=h) as r,
-    ):
-        assert r.status == 400
-        err = (await r.json())["error"]
+    status, answer = await post_json(f"{runcap.openai_url}/chat/completions", body, h)
+    assert status == 400
+    err = answer["error"]
     assert err["param"] == "X-Run-Max-Usd" and "a decimal like 2.50" in err["message"]
 
 
@@ -73,8 +71,6 @@ def test_mock_upstream_help_and_port() -> None:
         and "max_in_flight" not in done.stdout
     )
     assert "default 127.0.0.1:8790" in done.stdout and "9100" not in done.stdout
-
-
 
 
 async def test_an_mcp_tool_never_listed_is_refused_not_forwarded(servers, runcap_factory):  # type: ignore[no-untyped-def]

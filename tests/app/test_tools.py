@@ -7,10 +7,7 @@ import asyncio
 import json
 import logging
 import secrets
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 
@@ -18,17 +15,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import REPO, RuncapProcess
+from tests.conftest import RuncapProcess, reconcile
 from tests.support.redis_server import wait_subscribed
 from tests.support.tool_agent import call, tools_config, wait_for
-from tests.support.tool_service import ToolService
-
-
-@pytest.fixture
-async def tool() -> AsyncIterator[ToolService]:
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 def rid(prefix: str) -> str:
@@ -358,16 +347,6 @@ async def test_cancel_on_one_replica_aborts_calls_on_another(
 # -- kill -9 and reconcile ---------------------------------------------------------------------
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "reconcile", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.mark.parametrize("backend", ["sqlite", "redis"])
 async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Path, request):  # type: ignore[no-untyped-def]
     config = tmp_path / "runcap.toml"
@@ -402,22 +381,22 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
 
         # The admin token: the one the server generated in its data directory.
         at = ("--url", proc.url, "--config", str(config), "--data-dir", str(proc.data_dir))
-        listed = cli(*at, "--json")
+        listed = reconcile(*at, "--json")
         assert listed.returncode == 0, listed.stderr
         rows = json.loads(listed.stdout)
         assert {r["state"] for r in rows} == {"unknown"} and len(rows) == 2
         assert all(r["run_id"] == run and r["tool"] == "refund" and len(r["args_hash"]) == 64 for r in rows)
-        table = cli(*at)
+        table = reconcile(*at)
         assert "run_id" in table.stdout and "unknown" in table.stdout
         # The tool saw each call's key.
         keys = {json.loads(h.body)["order_id"]: h.headers["idempotency-key"] for h in tool.hits}
-        done = cli(*at, keys["A"], "--done", "--status", "200",
+        done = reconcile(*at, keys["A"], "--done", "--status", "200",
                    "--body", '{"refund": "r-A"}')  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert "unknown → done" in done.stdout
-        not_done = cli(*at, keys["B"], "--not-done")
+        not_done = reconcile(*at, keys["B"], "--not-done")
         assert not_done.returncode == 0, not_done.stderr
-        again = cli(*at, keys["B"], "--not-done")
+        again = reconcile(*at, keys["B"], "--not-done")
         assert again.returncode == 1
 
         # A replays the operator's outcome; B (same arguments as the crashed call) executes now.
@@ -430,7 +409,8 @@ async def test_kill9_during_tool_call_then_reconcile(backend, tool, tmp_path: Pa
     finally:
         proc.stop()
     # Direct access, no server: the CLI opens the SQLite ledger itself.
-    direct = cli("--data-dir", str(tmp_path / "data"), "--config", str(config), "--json", "--state", "all")
+    offline = ("--data-dir", str(tmp_path / "data"), "--config", str(config))
+    direct = reconcile(*offline, "--json", "--state", "all")
     assert direct.returncode == 0, direct.stderr
     states = {r["key"]: r["state"] for r in json.loads(direct.stdout)}
     assert states[keys["A"]] == "completed"

@@ -31,13 +31,15 @@ async def post_caps(rc, run_id: str, body: Any, headers: dict[str, str] | None =
         return r.status, await r.json()
 
 
+def agent(rc, headers: dict[str, str]) -> openai.AsyncOpenAI:  # type: ignore[no-untyped-def]
+    """The agent's client, with its run headers on every call (SDK default_headers)."""
+    return openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0, default_headers=headers)
+
+
 async def test_raised_step_cap_lets_a_stopped_run_continue(runcap_factory, upstream) -> None:  # type: ignore[no-untyped-def]
     rc = await runcap_factory({"tracing": False})
     # The agent sends the same headers on every call, as SDK default_headers do.
-    c = openai.AsyncOpenAI(
-        base_url=rc.openai_url, api_key="k", max_retries=0,
-        default_headers={"X-Run-Id": "paused", "X-Run-Max-Steps": "1"},
-    )  # fmt: skip
+    c = agent(rc, {"X-Run-Id": "paused", "X-Run-Max-Steps": "1"})
     raw = await c.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=USER)
     assert raw.headers["x-run-final-step"] == "true"
     with pytest.raises(openai.APIStatusError) as e:
@@ -61,10 +63,7 @@ async def test_raised_step_cap_lets_a_stopped_run_continue(runcap_factory, upstr
 
 async def test_raised_dollar_cap_and_refusals(runcap_factory, upstream) -> None:  # type: ignore[no-untyped-def]
     rc = await runcap_factory({"tracing": False})
-    c = openai.AsyncOpenAI(
-        base_url=rc.openai_url, api_key="k", max_retries=0,
-        default_headers={"X-Run-Id": "usd", "X-Run-Max-Usd": "0.0001"},
-    )  # fmt: skip
+    c = agent(rc, {"X-Run-Id": "usd", "X-Run-Max-Usd": "0.0001"})
     with pytest.raises(openai.APIStatusError) as e:
         for _ in range(20):
             await c.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=200)

@@ -14,7 +14,6 @@ import re
 import stat
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import unquote
 
@@ -31,14 +30,6 @@ from proxy.providers.registry import adapter_for, free_endpoint
 from proxy.server.auth import ADMIN_TOKEN_FILE
 from proxy.upstream_url import Base, UnsafePath, remaining_segments
 from tests.support.stub_upstream import CHAT, OPERATOR_KEY, send, stub_config
-from tests.support.tool_service import ToolService
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[ToolService]:
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
 
 
 @pytest.fixture

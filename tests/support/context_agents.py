@@ -210,3 +210,37 @@ def tool_result_texts(fmt: str, body: dict[str, Any]) -> list[str]:
             if m.get("role") == "user" and isinstance(m.get("content"), list):
                 out.extend(b["content"] for b in m["content"] if b.get("type") == "tool_result")
     return [t for t in out if isinstance(t, str)]
+
+
+def answered_history(fmt: str, pages: int, size: int) -> dict[str, Any]:
+    """A request body whose history holds `pages` answered calls of `read` with `size`-byte results."""
+    if fmt == "chat":
+        msgs: list[Any] = [{"role": "user", "content": "go"}]
+        for i in range(pages):
+            call = {"id": f"c{i}", "type": "function", "function": {"name": TOOL, "arguments": "{}"}}
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": tool_result(i, size)})
+        return {
+            "model": "gpt-4o-mini",
+            "messages": msgs,
+            "tools": [{"type": "function", "function": {"name": TOOL}}],
+        }
+    if fmt == "responses":
+        items: list[Any] = [{"role": "user", "content": "go"}]
+        for i in range(pages):
+            items.append({"type": "function_call", "call_id": f"c{i}", "name": TOOL, "arguments": "{}"})
+            items.append({"type": "function_call_output", "call_id": f"c{i}", "output": tool_result(i, size)})
+        return {"model": "gpt-4o-mini", "input": items, "tools": [{"type": "function", "name": TOOL}]}
+    msgs = [{"role": "user", "content": "go"}]
+    for i in range(pages):
+        msgs.append(
+            {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": TOOL, "input": {}}]}
+        )
+        result = {"type": "tool_result", "tool_use_id": f"t{i}", "content": tool_result(i, size)}
+        msgs.append({"role": "user", "content": [result]})
+    return {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 512,
+        "messages": msgs,
+        "tools": [{"name": TOOL, "input_schema": {"type": "object"}}],
+    }

@@ -4,12 +4,11 @@ exactly as given."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import aiohttp
 from yarl import URL
 
+from tests.support.raw_http import json_bytes, json_or, request
 from tests.support.tool_service import ToolService
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
@@ -42,15 +41,6 @@ async def send(
     url: str, method: str = "POST", *, headers: dict[str, str] | None = None, body: Any = CHAT
 ) -> tuple[int, dict[str, str], Any]:
     """Send exactly `url` (already encoded: the client must not normalise it)."""
-    data = json.dumps(body).encode() if body is not None else None
     h = {"Content-Type": "application/json", **(headers or {})}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.request(method, URL(url, encoded=True), data=data, headers=h) as r,
-    ):
-        raw = await r.read()
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = raw
-        return r.status, dict(r.headers), parsed
+    status, answer_headers, raw = await request(method, URL(url, encoded=True), json_bytes(body), h)
+    return status, answer_headers, json_or(raw, raw)

@@ -4,10 +4,12 @@ whether the caller dropped the connection while it was working."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import web
 
 
@@ -84,3 +86,17 @@ class ToolService:
             body=orjson.dumps({"execution": n, "path": request.path, "args": parsed}),
             content_type="application/json",
         )
+
+
+@pytest.fixture
+async def tool() -> AsyncIterator[ToolService]:
+    """A tool service on a free port for the test, stopped after it."""
+    svc = await ToolService().start()
+    yield svc
+    await svc.stop()
+
+
+@pytest.fixture
+def stub(tool: ToolService) -> ToolService:
+    """The same service, named for the tests that point every upstream at it to record calls."""
+    return tool

@@ -58,109 +58,36 @@ def night() -> tuple[list[Span], list[RunSnapshot]]:
 
     r = "ticket-4711"
     model = {"provider": "openai", "model": "gpt-4o", "endpoint": "chat", "task": "refunds"}
-    span(
-        r,
-        "model",
-        1,
-        0,
-        **model,
-        duration_ms=812.4,
-        status_code=200,
-        input_tokens=1200,
-        output_tokens=80,
-        cost_usd=Decimal("0.003800000"),
-        request_hash="a1" * 32,
-        response_hash="b1" * 32,
-    )
-    span(
-        r,
-        "tool_call",
-        1,
-        0.9,
-        **model,
-        status_code=200,
-        tool_name="refund",
-        tool_call_id="call_1",
-        args_hash=REFUND_HASH,
-    )
-    span(
-        r,
-        "tool",
-        1,
-        1.2,
-        task="refunds",
-        endpoint="POST",
-        status_code=200,
-        duration_ms=140.0,
-        tool_name="refund",
-        args_hash=REFUND_HASH,
-        result_hash="c1" * 32,
-        idempotency_key="k" * 32,
-        attributes={"tool.reached": "true"},
-    )
-    span(
-        r,
-        "model",
-        2,
-        2,
-        **model,
-        duration_ms=905.0,
-        status_code=200,
-        input_tokens=1450,
-        output_tokens=60,
-        cost_usd=Decimal("0.004225000"),
-    )
-    span(
-        r,
-        "tool_call",
-        2,
-        2.9,
-        **model,
-        status_code=200,
-        tool_name="refund",
-        tool_call_id="call_2",
-        args_hash=REFUND_HASH,
-    )
-    span(
-        r,
-        "tool",
-        2,
-        3.1,
-        task="refunds",
-        endpoint="POST",
-        status_code=200,
-        duration_ms=2.1,
-        tool_name="refund",
-        args_hash=REFUND_HASH,
-        result_hash="c1" * 32,
-        idempotency_key="k" * 32,
-        outcome="replayed",
-        attributes={"tool.reached": "false"},
-    )
-    span(
-        r,
-        "model",
-        3,
-        4,
-        **model,
-        duration_ms=30.5,
-        status_code=502,
-        outcome="error",
-        error="upstream 'openai' (https://api.openai.com) failed: ClientConnectorError",
-        attributes={"step.counted": "false", "upstream.failures": "1"},
-    )
-    span(
-        r,
-        "model",
-        3,
-        5,
-        **model,
-        duration_ms=700.0,
-        status_code=200,
-        input_tokens=1500,
-        output_tokens=40,
-        cost_usd=Decimal("0.004150000"),
-    )
+
+    def call(step: int, t: float, ms: float, status: int = 200, **kw: Any) -> None:
+        span(r, "model", step, t, **model, duration_ms=ms, status_code=status, **kw)
+
+    def priced(step: int, t: float, ms: float, tokens: tuple[int, int], cost: str, **kw: Any) -> None:
+        call(step, t, ms, input_tokens=tokens[0], output_tokens=tokens[1], cost_usd=Decimal(cost), **kw)
+
+    def asked(step: int, t: float, call_id: str) -> None:
+        span(r, "tool_call", step, t, **model, status_code=200, tool_name="refund", tool_call_id=call_id,
+             args_hash=REFUND_HASH)  # fmt: skip
+
+    def tool(step: int, t: float, ms: float, status: int, **kw: Any) -> None:
+        span(r, "tool", step, t, task="refunds", endpoint="POST", status_code=status, duration_ms=ms, **kw)
+
+    refund = {
+        "tool_name": "refund",
+        "args_hash": REFUND_HASH,
+        "result_hash": "c1" * 32,
+        "idempotency_key": "k" * 32,
+    }
+    priced(1, 0, 812.4, (1200, 80), "0.003800000", request_hash="a1" * 32, response_hash="b1" * 32)
+    asked(1, 0.9, "call_1")
+    tool(1, 1.2, 140.0, 200, **refund, attributes={"tool.reached": "true"})
+    priced(2, 2, 905.0, (1450, 60), "0.004225000")
+    asked(2, 2.9, "call_2")
+    tool(2, 3.1, 2.1, 200, **refund, outcome="replayed", attributes={"tool.reached": "false"})
+    call(3, 4, 30.5, 502, outcome="error",
+         error="upstream 'openai' (https://api.openai.com) failed: ClientConnectorError",
+         attributes={"step.counted": "false", "upstream.failures": "1"})  # fmt: skip
+    priced(3, 5, 700.0, (1500, 40), "0.004150000")
     span(
         r,
         "caps_change",
@@ -178,74 +105,29 @@ def night() -> tuple[list[Span], list[RunSnapshot]]:
             '"max_tool_calls":null,"deadline":null}',
         },
     )
-    span(
-        r,
-        "model",
-        4,
-        61,
-        **model,
-        duration_ms=1500.0,
-        status_code=200,
-        outcome="cancelled",
-        error="run ticket-4711 was cancelled during the call to upstream 'openai'; the call was aborted",
-        input_tokens=55,
-        output_tokens=1600,
-        cost_usd=Decimal("0.016137500"),
-        attributes={
-            "usage.input": "reserved",
-            "usage.output": "reserved",
-            "usage.seen_input_tokens": "0",
-            "usage.seen_output_tokens": "0",
-        },
-    )
-    span(
-        r,
-        "model",
-        5,
-        62,
-        **model,
-        duration_ms=1.2,
-        status_code=402,
-        outcome="budget_exceeded",
-        error="X-Run-Max-Usd: run ticket-4711 has $0.001687500 left of its $0.030000000 cap; this call "
-        "needs at least $0.004000000. The run is out of budget: end it or start a new run.",
-    )
+    priced(4, 61, 1500.0, (55, 1600), "0.016137500", outcome="cancelled",
+           error="run ticket-4711 was cancelled during the call to upstream 'openai'; the call was aborted",
+           attributes={"usage.input": "reserved", "usage.output": "reserved",
+                       "usage.seen_input_tokens": "0", "usage.seen_output_tokens": "0"})  # fmt: skip
+    call(5, 62, 1.2, 402, outcome="budget_exceeded",
+         error="X-Run-Max-Usd: run ticket-4711 has $0.001687500 left of its $0.030000000 cap; this call "
+         "needs at least $0.004000000. The run is out of budget: end it or start a new run.")  # fmt: skip
 
     r = "ticket-4712"
-    span(
-        r,
-        "tool",
-        0,
-        100,
-        task="refunds",
-        endpoint="POST",
-        status_code=504,
-        duration_ms=30001.0,
-        tool_name="slow_refund",
-        args_hash=SLOW_HASH,
-        idempotency_key="u" * 32,
-        outcome="unknown",
-        error="tool 'slow_refund' did not answer within its timeout_s = 30 s; the call was aborted and may "
-        "or may not have taken effect — a repeat gets 409 until it is reconciled",
-        attributes={"tool.reached": "unknown"},
-    )
-    span(
-        r,
-        "tool",
-        0,
-        140,
-        task="refunds",
-        endpoint="POST",
-        status_code=409,
-        duration_ms=1.0,
-        tool_name="slow_refund",
-        args_hash=SLOW_HASH,
-        idempotency_key="u" * 32,
-        outcome="unknown",
-        error="tool call uuuu (slow_refund) of run ticket-4712 was interrupted (tool timeout) and may or "
-        "may not have taken effect; it will not be executed again until an operator resolves it",
-        attributes={"tool.reached": "false"},
-    )
+    slow = {
+        "tool_name": "slow_refund",
+        "args_hash": SLOW_HASH,
+        "idempotency_key": "u" * 32,
+        "outcome": "unknown",
+    }
+    tool(0, 100, 30001.0, 504, **slow,
+         error="tool 'slow_refund' did not answer within its timeout_s = 30 s; the call was aborted and may "
+         "or may not have taken effect — a repeat gets 409 until it is reconciled",
+         attributes={"tool.reached": "unknown"})  # fmt: skip
+    tool(0, 140, 1.0, 409, **slow,
+         error="tool call uuuu (slow_refund) of run ticket-4712 was interrupted (tool timeout) and may or "
+         "may not have taken effect; it will not be executed again until an operator resolves it",
+         attributes={"tool.reached": "false"})  # fmt: skip
 
     r = "poller-7"
     for i in range(4):

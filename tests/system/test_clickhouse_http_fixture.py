@@ -78,21 +78,14 @@ def test_settings_in_url_reach_the_engine(server):
     """insert_deduplication_token travels as a URL parameter; the engine deduplicates with it."""
     client = _client(server)
     _create_table(client)
-    for _ in range(2):
+    for token in ("batch-1", "batch-1", "batch-2"):  # the second batch-1 is a duplicate
         client.insert(
             "runcap.t",
             _rows(10),
             column_names=COLUMNS,
             column_type_names=TYPES,
-            settings={"insert_deduplication_token": "batch-1"},
+            settings={"insert_deduplication_token": token},
         )
-    client.insert(
-        "runcap.t",
-        _rows(10),
-        column_names=COLUMNS,
-        column_type_names=TYPES,
-        settings={"insert_deduplication_token": "batch-2"},
-    )
     assert server.query("SELECT count() FROM runcap.t") == [(20,)]
     assert client.command("SELECT getSetting('max_threads')", settings={"max_threads": 3}) == 3
     # settings of one request do not leak into the next

@@ -61,24 +61,25 @@ async def test_readyz_waits_for_the_shipper(tmp_path: Path) -> None:
         assert status == 200 and body["shipper"] == "ready", answers[-3:]
         assert all(b.get("shipper") == "unavailable" for st, b in answers[:-1] if st == 503), answers
         # ready means the read commands work at once
-        done = subprocess.run(
-            [sys.executable, "-m", "proxy.cli", "runs", "--json", "--data-dir", str(tmp_path / "data"),
-             "--config", str(tmp_path / "runcap.toml")],
-            cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        done = runs_json(tmp_path)
         assert done.returncode == 0, done.stderr
     finally:
         stop(proc)
 
 
+def runs_json(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`runcap runs --json` on the test's data directory, as an operator types it."""
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "runs", "--json", "--data-dir", str(tmp_path / "data"),
+         "--config", str(tmp_path / "runcap.toml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 def test_a_read_command_right_after_start_waits_for_the_shipper(tmp_path: Path) -> None:
     proc, _ = start(tmp_path)
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "proxy.cli", "runs", "--json", "--data-dir", str(tmp_path / "data"),
-             "--config", str(tmp_path / "runcap.toml")],
-            cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        done = runs_json(tmp_path)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == []
     finally:

@@ -83,19 +83,27 @@ SPANS = (
 )
 
 
+async def two_step_spans(rc, run_id: str, usages: list[Usage], provider: str, model: str) -> list[Any]:  # type: ignore[no-untyped-def]
+    """The spans of a two-step run with one tool call, in order (model, tool_call, tool_result,
+    model); each model span with the tokens the upstream reported and their price."""
+    rows = await wait_rows(rc, SPANS.format(run=run_id), 4)
+    assert [(r["kind"], r["step"]) for r in rows] == [
+        ("model", 1), ("tool_call", 1), ("tool_result", 1), ("model", 2),
+    ]  # fmt: skip
+    for m, u in ((rows[0], usages[0]), (rows[3], usages[1])):
+        assert (m["input_tokens"], m["output_tokens"]) == (u.input_tokens, u.output_tokens)
+        assert Decimal(m["cost"]) * 10**9 == nanos(provider, model, u)
+    return rows
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chat_run_spans_exact(traced, upstream, stream):  # type: ignore[no-untyped-def]
     rc = traced
     run_id = f"spans-chat-{stream}"
     usages = await chat_run(rc, upstream, run_id, stream)
-    rows = await wait_rows(rc, SPANS.format(run=run_id), 4)
-    assert [(r["kind"], r["step"]) for r in rows] == [
-        ("model", 1), ("tool_call", 1), ("tool_result", 1), ("model", 2),
-    ]  # fmt: skip
+    rows = await two_step_spans(rc, run_id, usages, "openai", "gpt-4o-mini")
     m1, call, result, m2 = rows
-    for m, u in ((m1, usages[0]), (m2, usages[1])):
-        assert (m["input_tokens"], m["output_tokens"]) == (u.input_tokens, u.output_tokens)
-        assert Decimal(m["cost"]) * 10**9 == nanos("openai", "gpt-4o-mini", u)
+    for m in (m1, m2):
         assert (
             m["provider"] == "openai" and m["model"] == "gpt-4o-mini" and m["endpoint"] == "chat.completions"
         )
@@ -142,14 +150,8 @@ async def test_anthropic_run_spans_exact(runcap_factory, upstream, stream):  # t
     rc = await runcap_factory({"tracing": True})
     run_id = f"spans-anth-{stream}"
     usages = await anthropic_run(rc, upstream, run_id, stream)
-    rows = await wait_rows(rc, SPANS.format(run=run_id), 4)
-    assert [(r["kind"], r["step"]) for r in rows] == [
-        ("model", 1), ("tool_call", 1), ("tool_result", 1), ("model", 2),
-    ]  # fmt: skip
-    m1, call, result, m2 = rows
-    for m, u in ((m1, usages[0]), (m2, usages[1])):
-        assert (m["input_tokens"], m["output_tokens"]) == (u.input_tokens, u.output_tokens)
-        assert Decimal(m["cost"]) * 10**9 == nanos("anthropic", "claude-sonnet-4-5", u)
+    m1, call, result, m2 = await two_step_spans(rc, run_id, usages, "anthropic", "claude-sonnet-4-5")
+    for m in (m1, m2):
         assert m["provider"] == "anthropic" and m["endpoint"] == "messages"
     assert call["tool_name"] == "refund" and call["args_hash"] == ARGS_HASH
     assert result["result_hash"] == hashlib.sha256(b"ok").hexdigest()  # not JSON: the raw bytes
@@ -226,10 +228,7 @@ async def test_cancel_shows_in_the_runs_table_at_once(runcap_factory, upstream):
     await c.chat.completions.create(model="gpt-4o-mini", messages=messages, extra_headers=h)
     async with aiohttp.ClientSession() as s, s.post(f"{rc.url}/runs/cx-row/cancel", headers=rc.admin) as r:
         assert r.status == 200
-    query = (
-        "SELECT status FROM runcap.runs WHERE run_id = 'cx-row' "
-        "ORDER BY updated_at DESC LIMIT 1"
-    )
+    query = "SELECT status FROM runcap.runs WHERE run_id = 'cx-row' ORDER BY updated_at DESC LIMIT 1"
     deadline = time.monotonic() + 20
     while (rows := await sql(rc, query)) != [{"status": "cancelled"}] and time.monotonic() < deadline:
         await asyncio.sleep(0.1)

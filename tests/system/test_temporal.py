@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -47,6 +47,7 @@ from proxy.spans.model import trace_id_for_run
 from tests.conftest import REPO, RuncapProcess, free_port
 from tests.support.clickhouse import wait_rows
 from tests.support.processes import stop_process
+from tests.support.tool_agent import refund_tool
 from tests.support.tool_service import ToolService
 
 REFUND_ARGS = {"order_id": "o-1", "amount": 12}
@@ -124,21 +125,10 @@ async def temporal(temporal_server: TemporalDevServer) -> Client:
             await asyncio.sleep(0.1)
 
 
-@pytest.fixture
-async def tool() -> AsyncIterator[ToolService]:
-    svc = await ToolService().start()
-    yield svc
-    await svc.stop()
-
-
 def runcap_extra(tool: ToolService, **extra: Any) -> dict[str, Any]:
     return {
         "tools": {
-            "refund": {
-                "url": f"{tool.url}/refund",
-                "side_effects": True,
-                "key_fields": ["order_id", "amount"],
-            },
+            "refund": refund_tool(tool),
             "lookup": {"url": f"{tool.url}/lookup", "side_effects": True},
         },
         **extra,
