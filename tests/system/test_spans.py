@@ -117,14 +117,18 @@ async def test_chat_run_spans_exact(traced, upstream, stream):  # type: ignore[n
     assert result["parent_span_id"] == m2["span_id"]  # seen in the request of step 2
     assert len({r["trace_id"] for r in rows}) == 1  # one trace per run
 
-    # The run's latest state, deduplicated the way queries must.
-    runs = await sql(
-        rc,
+    # The run's latest state, deduplicated the way queries must. The sink inserts a batch's spans,
+    # then its run snapshots (spans/clickhouse.py): wait until the run's last one is in.
+    query = (
         "SELECT argMax(status, updated_at) AS status, argMax(steps, updated_at) AS steps, "
         "argMax(tool_calls, updated_at) AS tool_calls, toString(argMax(cost_usd, updated_at)) AS cost "
-        "FROM runcap.runs WHERE run_id = {run:String} GROUP BY run_id",
-        {"run": run_id},
+        "FROM runcap.runs WHERE run_id = {run:String} GROUP BY run_id"
     )
+    deadline = time.monotonic() + 20
+    while not (runs := await sql(rc, query, {"run": run_id})) or runs[0]["status"] != "completed":
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
     total = Decimal(m1["cost"]) + Decimal(m2["cost"])
     assert [{**r, "cost": Decimal(r["cost"])} for r in runs] == [
         {"status": "completed", "steps": 2, "tool_calls": 1, "cost": total}
