@@ -105,6 +105,7 @@ TARGETS: dict[str, Target] = {
         "proxy/server/steps/context.py",
         # (the span-recording test needs the embedded span store, which mutmut's forked runs lack)
         (
+            "tests/unit/server/test_context_step.py",
             "tests/app/test_context_cap_oracle.py",
             "tests/app/test_context_signal.py",
             "-k",
