@@ -135,7 +135,12 @@ TARGETS: dict[str, Target] = {
     ),
     "wal": Target(
         "proxy/spans/wal.py",
-        ("tests/unit/spans/test_wal.py", "-k", "not tmpfs and not full"),
+        (
+            "tests/unit/spans/test_wal_framing.py",
+            "tests/unit/spans/test_wal.py",
+            "-k",
+            "not tmpfs and not full",
+        ),
         what="the WAL's record framing",
     ),
     "sqlguard": Target(
@@ -264,6 +269,11 @@ def setup_cfg(target: Target, work: Path) -> str:
     # Everything tests read besides proxy/ and tests/ (queries/ behind proxy/sql, dashboards/,
     # docker-compose.yml...) goes into mutmut's copy of the tree too.
     also = sorted(p.name + ("/" if p.is_dir() else "") for p in work.iterdir() if p.name not in _OWN)
+    # mutmut copies proxy/'s sources, not its symlinks: proxy/sql (-> queries/, what
+    # proxy.queryfiles reads at import of proxy.readcli) is copied in with its contents.
+    also += sorted(
+        str(p.relative_to(work)) + "/" for p in (work / "proxy").rglob("*") if p.is_symlink() and p.is_dir()
+    )
     lines = [
         "[mutmut]",
         "source_paths = proxy/",
