@@ -75,11 +75,11 @@ class Memory(ConversationMemory):
         self.asked: list[str] = []
 
     def bound(self, run_id: str, adapter: Any, info: RequestInfo) -> int:
-        self.asked.append("bound")
+        self.asked.append("bound" if run_id == "t-run" else f"bound of {run_id!r}")
         return self._bound
 
     def known_prefix(self, run_id: str, info: RequestInfo) -> tuple[int, int] | None:
-        self.asked.append("prefix")
+        self.asked.append("prefix" if run_id == "t-run" else f"prefix of {run_id!r}")
         return self._prefix
 
     def stored_tokens(self, stored_context: str) -> int | None:
@@ -273,7 +273,54 @@ async def test_a_body_nested_too_deep_is_a_400_naming_the_body() -> None:
     flow.body_json["system"] = deep  # (not in the messages: orjson refuses those at 255 levels)
     with pytest.raises(InvalidRequest) as e:
         await step().request(flow)
-    assert e.value.param == "body" and "nested deeper" in e.value.message
+    assert e.value.param == "body" and e.value.message == (
+        "request body: nested deeper than runcap reads (messages and content blocks nest a few levels; "
+        "this body nests hundreds)"
+    )
+
+
+def test_measure_needs_a_parsed_call_of_a_run() -> None:
+    for missing in ("info", "body_json", "adapter", "run"):
+        flow = tflow(dict(WORDS))
+        setattr(flow, missing, None)
+        with pytest.raises(AssertionError):
+            measure(flow, Memory())
+
+
+async def test_the_policies_get_the_run_its_summaries_and_a_caller_of_this_flow(monkeypatch) -> None:
+    s = step()
+    asked: list[Any] = []
+
+    class Inner:
+        def caller(self, flow: Flow) -> object:
+            asked.append(flow)
+            return "the caller"
+
+    s.inner = Inner()  # type: ignore[assignment]
+    seen: dict[str, Any] = {}
+    new_body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "short"}]}
+
+    class Rewritten:
+        body = new_body
+        info = RequestInfo(history=[])
+        rewrite = "the rewrite"
+
+    async def apply(*args: Any, **kwargs: Any) -> Rewritten:
+        seen["args"], seen["kwargs"] = args, kwargs
+        return Rewritten()
+
+    monkeypatch.setattr("proxy.server.steps.context.apply_policies", apply)
+    flow = tflow(dict(WORDS), headers={"X-Run-Context-Policy": "offload"})
+    sent_body, sent_info, sent_bytes = flow.body_json, flow.info, flow.body
+    await s.request(flow)
+    assert asked == [flow]
+    assert seen["kwargs"] == {"run_id": "t-run", "summaries": s.summaries, "call": "the caller"}
+    assert seen["kwargs"]["summaries"] is s.summaries
+    assert seen["args"][1:] == (sent_body, sent_info, sent_bytes, ("offload",), s.settings)
+    assert seen["args"][0] is flow.adapter
+    assert flow.body_json is new_body and flow.info is Rewritten.info and flow.rewrite == "the rewrite"
+    assert flow.body_changed
+    assert flow.context is not None and flow.context.lower == 1  # the rewritten body, measured
 
 
 async def test_the_policy_header_is_checked_and_applied_to_the_agents_call_only() -> None:

@@ -163,7 +163,7 @@ def frames_file(tmp_path: Path, bodies: list[bytes], extra: bytes = b"") -> tupl
         data += expected_frame(body, 100 + i)
     path = tmp_path / "seg.wal"
     path.write_bytes(data + extra)
-    return path, offsets + [len(data)]
+    return path, [*offsets, len(data)]
 
 
 def test_read_frames_gives_each_frame_its_offset_end_time_and_body(tmp_path: Path) -> None:
@@ -357,7 +357,7 @@ def test_at_the_bound_a_record_is_not_appended(tmp_path: Path, caplog) -> None:
     assert not w.append_step([make_span(0)])
     s = w.stats()
     assert (s.appended_records, s.dropped_records, s.append_errors) == (2, 1, 0)
-    assert "wal_max_bytes = %d" % (size * 2) in caplog.text
+    assert f"wal_max_bytes = {size * 2}" in caplog.text
     w.close()
 
 
