@@ -161,7 +161,9 @@ async def test_a_filling_disk_answers_only_what_is_on_record_across_a_restart(
     assert held_peak > 0 and calls.across_free  # held while full, appended (and answered) after
     assert stats.held_records == 0
 
-    model_spans = Counter(s.run_id for r in all_records(data / "wal") for s in r.spans() if s.kind == "model")
+    model_spans = Counter(
+        s.run_id for r in all_records(data / "wal") for s in r.spans() if s.kind == "model"
+    )
     # every call answered in full has its span, exactly once — across the restart
     lost = calls.answered - set(model_spans)
     assert not lost, f"{len(lost)} answered calls without a span: {sorted(lost)[:5]}"
