@@ -31,7 +31,7 @@ from proxy.spans.wal import (
     valid_end,
     wal_bytes,
 )
-from tests.support.wal import all_records, make_span, payload
+from tests.support.wal import all_records, make_run, make_span, payload
 
 
 def expected_frame(body: bytes, time_ms: int) -> bytes:
@@ -128,7 +128,7 @@ def test_resync_finds_the_first_valid_frame_past_false_magics(tmp_path: Path) ->
         os.close(fd)
 
 
-@pytest.mark.parametrize("chunk", [5, 6, 7, 8, 9, 64])
+@pytest.mark.parametrize("chunk", [4, 5, 6, 7, 8, 9, 64])
 def test_resync_finds_a_magic_split_across_reads(tmp_path: Path, monkeypatch, chunk: int) -> None:
     monkeypatch.setattr(wal, "_READ_CHUNK", chunk)
     good = expected_frame(b"the body", 3)
@@ -502,3 +502,256 @@ def test_a_record_reads_back_as_written(tmp_path: Path) -> None:
     res = read_frames(tmp_path / name, 0, sealed=True)
     assert [StepRecord(f.body).spans()[0].step for f in res.frames] == [0, 1]
     assert StepRecord(res.frames[0].body).payloads() == [body]
+
+
+# --- the checks at their exact bounds ---------------------------------------------------------------
+
+
+def test_a_length_past_the_buffer_is_no_frame_even_when_the_checksum_of_what_is_there_matches() -> None:
+    # a header that says 10 bytes, with the checksum of the 5 that are there
+    head = struct.pack("<IQ", 10, 1)
+    crc = zlib.crc32(b"abcde", zlib.crc32(head))
+    cut = b"RCW1" + head + struct.pack("<I", crc) + b"abcde"
+    assert _check(memoryview(cut), 0) == -1
+    assert _check(memoryview(b"0123456789" + cut), 10) == -1
+
+
+def test_max_record_bytes_is_the_largest_length_that_is_data(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(wal, "MAX_RECORD_BYTES", 5)
+    data = b"junk" + expected_frame(b"12345", 1) + expected_frame(b"123456", 2)
+    assert _check(memoryview(data), 4) == 5
+    assert _check(memoryview(data), 4 + HEADER_SIZE + 5) == -1
+    fd = write(tmp_path, data)
+    try:
+        assert _resync(fd, 0, len(data)) == 4
+        assert _resync(fd, 5, len(data)) is None
+    finally:
+        os.close(fd)
+    res = read_frames(tmp_path / "seg.wal", 0, sealed=True)
+    assert [bytes(f.body) for f in res.frames] == [b"12345"] and res.damaged == 1
+    assert res.torn_bytes == HEADER_SIZE + 6
+
+
+def test_resync_finds_a_frame_with_an_empty_body(tmp_path: Path, monkeypatch) -> None:
+    data = b"xyz" + expected_frame(b"", 1)
+    fd = write(tmp_path, data)
+    try:
+        assert _resync(fd, 0, len(data)) == 3
+        monkeypatch.setattr(wal, "_READ_CHUNK", 4)  # reads of exactly a magic's length
+        assert _resync(fd, 0, len(data)) == 3
+        data = b"...." + expected_frame(b"b", 1)
+        os.close(fd)
+        fd = write(tmp_path, data)
+        assert _resync(fd, 0, len(data)) == 4
+    finally:
+        os.close(fd)
+
+
+# --- what is logged -----------------------------------------------------------------------------------
+
+
+def messages(caplog) -> list[str]:  # type: ignore[no-untyped-def]
+    return [r.getMessage() for r in caplog.records if r.name == "runcap.wal"]
+
+
+def test_left_out_bodies_are_logged_with_why_and_the_counts(tmp_path: Path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    w = writer(tmp_path)
+    fail_writev(monkeypatch, errno.ENOSPC)
+    body = payload(b"body")
+    w.append_step([make_span(1, request_hash=body.sha256)], [], [body, payload(b"other")])
+    name = w.stats().segment
+    assert messages(caplog) == [
+        f"appending to WAL segment {name} failed ([Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)})",
+        "WAL: payload bodies dropped: the disk is full (2 payload bodies and 0 records so far)",
+    ]
+    w.close()
+
+
+def test_a_short_write_is_logged_with_its_sizes(tmp_path: Path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    w = writer(tmp_path)
+    name = w.stats().segment
+    fail_writev(monkeypatch, None, written=3)
+    span = make_span(1)
+    size = HEADER_SIZE + sum(map(len, encode_step([span], [], [])))
+    assert not w.append_step([span])
+    assert messages(caplog)[0] == f"appending to WAL segment {name} failed (short write: 3 of {size} bytes)"
+    assert messages(caplog)[1].startswith(
+        "WAL: 1 record of spans dropped (the WAL could not be written; 0 of"
+    )
+    w.close()
+
+
+def test_dropped_records_are_logged_with_how_many_were_awaited(tmp_path: Path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    w = writer(tmp_path)
+    w.append_step([make_span(0)])
+    real = os.writev
+
+    def full(fd: int, buffers: list[bytes]) -> int:
+        raise OSError(errno.ENOSPC, "full")
+
+    monkeypatch.setattr(os, "writev", full)
+    told: list[str] = []
+    with w.group():
+        w.append_step([make_span(1, run_id="r-a")], on_done=told.append)
+        w.append_step([make_span(2, run_id="r-b")], [make_run(2, run_id="r-c")])
+        w.append_step([make_span(3, run_id="r-a")], on_done=told.append)
+    monkeypatch.setattr(os, "writev", real)
+    dropped = [m for m in messages(caplog) if "of spans dropped" in m]
+    assert dropped == [
+        "WAL: 3 records of spans dropped (the WAL could not be written; 2 of them awaited: those calls are "
+        "refused, not answered); runs: r-a r-b r-c (0 payload bodies and 3 records so far)"
+    ]
+    assert told == ["the WAL could not be written"] * 2
+    w.close()
+    assert w.stats().dropped_records == 3
+
+
+def test_a_segment_that_cannot_be_started_is_logged_and_the_old_one_kept(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    size = HEADER_SIZE + sum(map(len, encode_step([make_span(0)], [], [])))
+    w = writer(tmp_path, segment_bytes=size)
+    w.append_step([make_span(0)])
+    first = w.stats().segment
+
+    def no_inode() -> tuple[int, str]:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    w._create_segment = no_inode  # type: ignore[method-assign]
+    assert w.append_step([make_span(0)])  # into the full segment all the same
+    assert w.stats().segment == first
+    assert messages(caplog) == ["cannot start a new WAL segment: [Errno 28] No space left on device"]
+    w.close()
+
+
+# --- the hold -------------------------------------------------------------------------------------------
+
+
+def test_a_record_held_exactly_hold_s_is_still_held(tmp_path: Path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    now = [100.0]
+    monkeypatch.setattr(wal.time, "monotonic", lambda: now[0])
+    w = writer(tmp_path, hold_bytes=1 << 20, hold_s=2.5)
+    real = os.writev
+
+    def full(fd: int, buffers: list[bytes]) -> int:
+        raise OSError(errno.ENOSPC, "full")
+
+    monkeypatch.setattr(os, "writev", full)
+    told: list[str] = []
+    assert w.append_step([make_span(0, run_id="held")], on_done=told.append)
+    now[0] += 2.5
+    assert w.flush_held() == 1 and told == []
+    now[0] += 0.001
+    assert w.flush_held() == 0
+    assert told == ["no room in the WAL for wal_hold_ms = 2500 ms"]
+    assert any("(no room in the WAL for wal_hold_ms = 2500 ms;" in m for m in messages(caplog))
+    monkeypatch.setattr(os, "writev", real)
+    w.close()
+
+
+def test_flush_held_waits_for_the_end_of_a_group(tmp_path: Path, monkeypatch) -> None:
+    w = writer(tmp_path, hold_bytes=1 << 20, hold_s=60.0)
+    real = os.writev
+
+    def full(fd: int, buffers: list[bytes]) -> int:
+        raise OSError(errno.ENOSPC, "full")
+
+    monkeypatch.setattr(os, "writev", full)
+    w.append_step([make_span(0)])
+    assert w.held_records == 1
+    monkeypatch.setattr(os, "writev", real)
+    with w.group():
+        assert w.flush_held() == 1  # not inside a group: the group's end appends it first
+        assert w.held_records == 1
+    assert w.held_records == 0 and w.stats().appended_records == 1
+    assert w.flush_held() == 0
+    w.close()
+    assert w.flush_held() == 0
+
+
+def test_after_close_a_record_is_dropped_counted_told_and_logged(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    w = writer(tmp_path)
+    w.close()
+    told: list[str] = []
+    body = payload(b"b")
+    assert not w.append_step(
+        [make_span(0, run_id="r-x")], [make_run(0, run_id="r-y")], [body], on_done=told.append
+    )
+    assert told == ["the WAL writer is closed"] and w.stats().dropped_records == 1
+    assert messages(caplog) == [
+        "WAL: 1 record of spans dropped (the WAL writer is closed; 1 of them awaited: those calls are "
+        "refused, not answered); runs: r-x r-y (0 payload bodies and 1 records so far)"
+    ]
+    assert all_records(tmp_path) == []
+
+
+def test_bodies_wait_exactly_one_second_after_a_full_disk(tmp_path: Path, monkeypatch) -> None:
+    now = [500.0]
+    monkeypatch.setattr(wal.time, "monotonic", lambda: now[0])
+    w = writer(tmp_path)
+    fail_writev(monkeypatch, errno.ENOSPC)
+    w.append_step([make_span(0)], [], [payload(b"b0")])
+    now[0] = 501.0  # the moment is over
+    on_time = make_span(1, request_hash=payload(b"b1").sha256)
+    w.append_step([on_time], [], [payload(b"b1")])
+    assert on_time.request_hash != "" and w.stats().dropped_payloads == 1
+    monkeypatch.undo()
+    w.close()
+    assert [len(r.payloads()) for r in all_records(tmp_path)] == [0, 1]
+
+
+def test_every_frame_carries_its_append_time_in_ms(tmp_path: Path, monkeypatch) -> None:
+    import time
+
+    now = [500.0]
+    monkeypatch.setattr(wal.time, "monotonic", lambda: now[0])
+    before = time.time_ns() // 1_000_000
+    w = writer(tmp_path)
+    w.append_step([make_span(0)], [], [payload(b"b0")])  # as it is
+    fail_writev(monkeypatch, errno.ENOSPC)
+    w.append_step([make_span(1)], [], [payload(b"b1")])  # retried without its body
+    with w.group():  # framed by the group
+        w.append_step([make_span(2)])
+        w.append_step([make_span(3)])
+    w._full_until = now[0] + 1  # a framed record with a body, the disk full a moment ago: framed again
+    record = wal._Pending(
+        [make_span(4)], [], [payload(b"b4")], encode_step([make_span(4)], [], [payload(b"b4")])
+    )
+    assert w._append(record, buffers=[b"never written"])
+    after = time.time_ns() // 1_000_000
+    monkeypatch.undo()
+    w.close()
+    times = [f.time_ms for n in segments(tmp_path) for f in read_frames(tmp_path / n, 0, sealed=True).frames]
+    assert len(times) == 5 and all(before <= t <= after for t in times), (before, times, after)
+
+
+def test_after_a_failed_batch_the_rest_of_the_group_is_not_tried(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(wal, "_IOV_MAX", 2)  # one small record per writev
+    w = writer(tmp_path)
+    calls = fail_writev(monkeypatch, errno.ENOSPC)
+    real_writev = os.writev
+    told: list[str] = []
+    with w.group():
+        for i in range(3):
+            w.append_step([make_span(i, run_id=f"r{i}")], on_done=told.append)
+    assert len(calls) == 1  # the first failed: the disk is full, the others wait their turn
+    assert told == ["the WAL could not be written"] * 3 and w.stats().dropped_records == 3
+    assert real_writev is os.writev
+    w.close()
+
+
+def test_held_bytes_are_in_the_stats(tmp_path: Path, monkeypatch) -> None:
+    w = writer(tmp_path, hold_bytes=1 << 20, hold_s=60.0)
+    fail_writev(monkeypatch, errno.ENOSPC)
+    span = make_span(0)
+    size = HEADER_SIZE + sum(map(len, encode_step([span], [], [])))
+    w.append_step([span])
+    s = w.stats()
+    assert (s.held_records, s.held_bytes) == (1, size)
+    monkeypatch.undo()
+    w.close()
+    assert w.stats().held_bytes == 0 and w.stats().appended_records == 1
