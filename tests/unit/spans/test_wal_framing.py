@@ -357,7 +357,9 @@ def test_at_the_bound_a_record_is_not_appended(tmp_path: Path, caplog) -> None:
     assert not w.append_step([make_span(0)])
     s = w.stats()
     assert (s.appended_records, s.dropped_records, s.append_errors) == (2, 1, 0)
-    assert f"wal_max_bytes = {size * 2}" in caplog.text
+    assert messages(caplog)[0] == (
+        f"the WAL holds wal_max_bytes = {size * 2} bytes (a sink is down?): records are held, then dropped"
+    )
     w.close()
 
 
@@ -755,3 +757,150 @@ def test_held_bytes_are_in_the_stats(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.undo()
     w.close()
     assert w.stats().held_bytes == 0 and w.stats().appended_records == 1
+
+
+def fail_nth(monkeypatch, n: int, err: int) -> list[int]:
+    """The `n`th writev (1 = the next) fails with `err`; the others write."""
+    real = os.writev
+    calls: list[int] = []
+
+    def nth(fd: int, buffers: list[bytes]) -> int:
+        calls.append(len(buffers))
+        if len(calls) == n:
+            raise OSError(err, os.strerror(err))
+        return real(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", nth)
+    return calls
+
+
+def test_a_lone_record_of_a_group_batch_is_retried_without_its_bodies(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(wal, "_IOV_MAX", 2)  # one record with a small body per writev
+    w = writer(tmp_path)
+    calls = fail_nth(monkeypatch, 2, errno.EIO)
+    told: list[str] = []
+    spans = [make_span(i, request_hash=payload(b"b%d" % i).sha256) for i in range(2)]
+    with w.group():
+        for i, span in enumerate(spans):
+            w.append_step([span], [], [payload(b"b%d" % i)], on_done=told.append)
+    assert calls == [2, 2, 2] and told == ["", ""]
+    assert spans[0].request_hash and spans[1].request_hash == ""
+    monkeypatch.undo()
+    w.close()
+    assert [len(r.payloads()) for r in all_records(tmp_path)] == [1, 0]
+
+
+def test_each_appended_record_is_told_it_is_in_the_wal(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    told: list[str] = []
+    w.append_step([make_span(0)], on_done=told.append)
+    assert told == [""]
+    with w.group():
+        w.append_step([make_span(1)], on_done=told.append)
+        w.append_step([make_span(2)], on_done=told.append)
+    assert told == ["", "", ""]
+    w.close()
+
+
+def test_a_short_group_write_tells_its_whole_records_and_appends_the_rest(
+    tmp_path: Path, monkeypatch
+) -> None:
+    w = writer(tmp_path)
+    sizes = [HEADER_SIZE + sum(map(len, encode_step([make_span(i)], [], []))) for i in range(3)]
+    fail_writev(monkeypatch, None, written=sizes[0] + 5)  # the first whole, the second torn
+    told: list[str] = []
+    with w.group():
+        for i in range(3):
+            w.append_step([make_span(i)], on_done=told.append)
+    assert told == ["", "", ""] and w.stats().append_errors == 1
+    monkeypatch.undo()
+    w.close()
+    assert [r.spans()[0].step for r in all_records(tmp_path)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("hold", [0, 1 << 20])
+def test_the_records_of_a_group_not_tried_lose_their_bodies_only_when_held(
+    tmp_path: Path, monkeypatch, hold: int
+) -> None:
+    monkeypatch.setattr(wal, "_IOV_MAX", 2)
+    w = writer(tmp_path, hold_bytes=hold, hold_s=60.0)
+    real = os.writev
+
+    def full(fd: int, buffers: list[bytes]) -> int:
+        raise OSError(errno.ENOSPC, "full")
+
+    monkeypatch.setattr(os, "writev", full)
+    with w.group():
+        for i in range(3):
+            w.append_step([make_span(i)], [], [payload(b"b%d" % i)])
+    s = w.stats()
+    if hold:  # what is held is the spans
+        assert (s.held_records, s.dropped_payloads, s.dropped_records) == (3, 3, 0)
+        assert s.held_bytes == sum(
+            HEADER_SIZE + sum(map(len, encode_step([make_span(i)], [], []))) for i in range(3)
+        )
+    else:  # dropped as they are: only the one tried lost its body first
+        assert (s.held_records, s.dropped_payloads, s.dropped_records) == (0, 1, 3)
+    monkeypatch.setattr(os, "writev", real)
+    w.close()
+
+
+def test_the_syncer_syncs_a_segment_only_after_an_append(tmp_path: Path, monkeypatch) -> None:
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd))
+    w = writer(tmp_path)
+    w._sync_once()
+    assert synced == []
+    w.append_step([make_span(0)])
+    w._sync_once()
+    assert len(synced) == 1
+    w._sync_once()
+    assert len(synced) == 1  # nothing new
+    monkeypatch.undo()
+    w.close()
+
+
+def test_a_failed_fdatasync_is_logged(tmp_path: Path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    w = WalWriter(tmp_path, fsync="always", fsync_interval_s=60.0)
+    monkeypatch.setattr(os, "fdatasync", broken)
+    assert w.append_step([make_span(0)])
+    name = w.stats().segment
+    assert messages(caplog) == [f"fdatasync of WAL segment {name} failed: [Errno 5] Input/output error"]
+    monkeypatch.undo()
+    w.close()
+
+
+def test_append_errors_count_every_failure(tmp_path: Path, monkeypatch) -> None:
+    w = writer(tmp_path)
+    for _ in range(2):
+        fail_writev(monkeypatch, errno.EIO)
+        w.append_step([make_span(0)])
+    assert w.stats().append_errors == 2
+    monkeypatch.undo()
+    w.close()
+
+
+def test_a_segment_that_cannot_be_cut_back_is_logged_and_rolled(tmp_path: Path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    w = writer(tmp_path)
+    first = w.stats().segment
+
+    def no_truncate(fd: int, length: int) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    fail_writev(monkeypatch, None, written=3)  # torn at 3 bytes, in a fresh segment
+    monkeypatch.setattr(os, "ftruncate", no_truncate)
+    assert not w.append_step([make_span(0)])
+    assert messages(caplog)[0] == (
+        f"cannot cut WAL segment {first} back after a failed append: [Errno 1] Operation not permitted"
+    )
+    monkeypatch.undo()
+    assert w.append_step([make_span(1)])
+    assert w.stats().segment != first  # the torn one takes no more appends
+    w.close()
+    assert [r.spans()[0].step for r in all_records(tmp_path)] == [1]
