@@ -418,7 +418,7 @@ def fail_writev(monkeypatch, err: int | None, written: int = 0) -> list[int]:
     return calls
 
 
-def test_an_io_error_is_retried_without_bodies_and_is_not_a_full_disk(tmp_path: Path, monkeypatch) -> None:
+def test_an_io_error_is_retried_without_bodies_and_is_not_a_lack_of_space(tmp_path: Path, monkeypatch) -> None:
     w = writer(tmp_path)
     w.append_step([make_span(0)])
     first = w.stats().segment
@@ -691,7 +691,7 @@ def test_after_close_a_record_is_dropped_counted_told_and_logged(tmp_path: Path,
     assert all_records(tmp_path) == []
 
 
-def test_bodies_wait_exactly_one_second_after_a_full_disk(tmp_path: Path, monkeypatch) -> None:
+def test_bodies_wait_exactly_one_second_after_no_space(tmp_path: Path, monkeypatch) -> None:
     now = [500.0]
     monkeypatch.setattr(wal.time, "monotonic", lambda: now[0])
     w = writer(tmp_path)
