@@ -418,7 +418,9 @@ def fail_writev(monkeypatch, err: int | None, written: int = 0) -> list[int]:
     return calls
 
 
-def test_an_io_error_is_retried_without_bodies_and_is_not_a_lack_of_space(tmp_path: Path, monkeypatch) -> None:
+def test_an_io_error_is_retried_without_bodies_and_is_not_a_lack_of_space(
+    tmp_path: Path, monkeypatch
+) -> None:
     w = writer(tmp_path)
     w.append_step([make_span(0)])
     first = w.stats().segment
@@ -904,3 +906,71 @@ def test_a_segment_that_cannot_be_cut_back_is_logged_and_rolled(tmp_path: Path, 
     assert w.stats().segment != first  # the torn one takes no more appends
     w.close()
     assert [r.spans()[0].step for r in all_records(tmp_path)] == [1]
+
+
+# --- added after the last measured run (docs/mutation.md) ------------------------------------------
+
+
+def test_a_read_that_ends_with_the_last_frame_is_at_the_end(tmp_path: Path) -> None:
+    path, at = frames_file(tmp_path, [b"a", b"b", b""])  # the last frame: a header alone
+    res = read_frames(path, 0, sealed=True, max_frames=3)
+    assert len(res.frames) == 3 and res.at_end and res.next_offset == at[3] and res.torn_bytes == 0
+    res = read_frames(path, 0, sealed=True, max_frames=2)
+    assert len(res.frames) == 2 and not res.at_end
+
+
+def test_one_byte_of_damage_and_repeated_bad_lengths_are_each_counted(tmp_path: Path) -> None:
+    good = expected_frame(b"good", 1)
+    bad_length = b"RCW1" + struct.pack("<IQI", 1000, 0, 0)
+    data = b"x" + good + bad_length + good + bad_length + good
+    path = tmp_path / "seg.wal"
+    path.write_bytes(data)
+    res = read_frames(path, 0, sealed=True)
+    assert len(res.frames) == 3 and res.frames[0].offset == 1
+    assert (res.damaged, res.damaged_bytes) == (3, 1 + 2 * HEADER_SIZE)
+
+
+def test_the_reasons_bodies_are_left_out_are_logged(tmp_path: Path, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    now = [500.0]
+    monkeypatch.setattr(wal.time, "monotonic", lambda: now[0])
+    size = HEADER_SIZE + sum(map(len, encode_step([make_span(0)], [], [])))
+    w = writer(tmp_path, max_bytes=size * 4, log_interval_s=0.0)
+    for _ in range(3):
+        w.append_step([make_span(0)])
+    w.append_step([make_span(0)], [], [payload(b"x")])
+    assert messages(caplog)[-1] == (
+        "WAL: payload bodies dropped: the WAL is over 3/4 of wal_max_bytes (1 payload bodies and 0 records "
+        "so far)"
+    )
+    w._full_until = now[0] + 1
+    w.append_step([make_span(0)], [], [payload(b"y")])
+    # (then dropped at the bound)
+    assert (
+        "WAL: payload bodies dropped: the disk is full (2 payload bodies and 0 records so far)"
+        in messages(caplog)
+    )
+    monkeypatch.undo()
+    w.close()
+
+
+def test_a_dropped_record_without_runs_logs_a_dash(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    w = writer(tmp_path)
+    w.close()
+    w.append_step([])
+    assert messages(caplog)[-1].endswith("; runs: - (0 payload bodies and 1 records so far)")
+
+
+def test_an_on_done_that_fails_is_logged_and_the_writer_goes_on(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="runcap.wal")
+    w = writer(tmp_path)
+
+    def broken(why: str) -> None:
+        raise RuntimeError("the caller's bug")
+
+    assert w.append_step([make_span(0)], on_done=broken)
+    assert w.append_step([make_span(1)])
+    assert messages(caplog) == ["a WAL record's on_done failed"]
+    w.close()
+    assert len(all_records(tmp_path)) == 2
