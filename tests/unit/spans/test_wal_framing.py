@@ -974,3 +974,7 @@ def test_an_on_done_that_fails_is_logged_and_the_writer_goes_on(tmp_path: Path, 
     assert messages(caplog) == ["a WAL record's on_done failed"]
     w.close()
     assert len(all_records(tmp_path)) == 2
+
+
+def test_a_segment_that_is_gone_is_sealed(tmp_path: Path) -> None:
+    assert wal.segment_sealed(tmp_path / "deleted.wal")
