@@ -105,6 +105,7 @@ TARGETS: dict[str, Target] = {
         "proxy/server/steps/context.py",
         # (the span-recording test needs the embedded span store, which mutmut's forked runs lack)
         (
+            "tests/unit/server/test_context_step.py",
             "tests/app/test_context_cap_oracle.py",
             "tests/app/test_context_signal.py",
             "-k",
@@ -134,7 +135,12 @@ TARGETS: dict[str, Target] = {
     ),
     "wal": Target(
         "proxy/spans/wal.py",
-        ("tests/unit/spans/test_wal.py", "-k", "not tmpfs and not full"),
+        (
+            "tests/unit/spans/test_wal_framing.py",
+            "tests/unit/spans/test_wal.py",
+            "-k",
+            "not tmpfs and not full",
+        ),
         what="the WAL's record framing",
     ),
     "sqlguard": Target(
@@ -188,6 +194,113 @@ EQUIVALENT: dict[str, str] = {
     "proxy.hashing.x_canonical_json__mutmut_19": 'codec "UTF-8" is "utf-8": codec names are case-insensitive',
     "proxy.hashing.x_canonical_json__mutmut_5": "ensure_ascii=None is falsy: the same as False",
     "proxy.hashing.x_canonical_json__mutmut_6": "allow_nan=None is falsy: the same as False",
+    # the WAL
+    "proxy.spans.wal.x__resync__mutmut_2": (
+        "pos == limit: a pread of 0 bytes is b'', and None is returned as before"
+    ),
+    "proxy.spans.wal.x__resync__mutmut_14": (
+        "reading past the limit: a frame is taken only when it ends by the limit, and no frame fits in "
+        "the bytes the shorter read would have left"
+    ),
+    "proxy.spans.wal.x__resync__mutmut_64": (
+        "the next magic searched from at + 2: 'RCW1' does not overlap itself, the next one is 4 bytes on"
+    ),
+    "proxy.spans.wal.x__fsync_dir__mutmut_6": (
+        "O_RDONLY is 0: O_RDONLY & O_DIRECTORY opens the WAL's directory read-only all the same"
+    ),
+    "proxy.spans.wal.xǁWalWriterǁ_warn__mutmut_8": "-1e+18 is -1e18",
+    "proxy.spans.wal.xǁWalWriterǁ_roll__mutmut_20": (
+        "_roll_wanted = None: falsy like False, only read as a truth value"
+    ),
+    "proxy.spans.wal.xǁWalWriterǁ_write__mutmut_32": (
+        "written = 1 for a failed writev: no record is 1 byte, so 0 whole records are kept either way, "
+        "and the log names the error, not the count"
+    ),
+    "proxy.spans.wal.xǁWalWriterǁ_write__mutmut_34": (
+        "bisect_right(ends, size) is len(ends) when all was written"
+    ),
+    "proxy.spans.wal.xǁWalWriterǁ_write__mutmut_76": "cut = None: only read as `not cut`, like False",
+    "proxy.spans.wal.xǁWalWriterǁ_append_group__mutmut_44": (
+        "a lone record framed again by _append: the same bytes, its append time at most a millisecond later"
+    ),
+    "proxy.spans.wal.xǁWalWriterǁ_append_group__mutmut_46": (
+        "a lone record framed again by _append: the same bytes, its append time at most a millisecond later"
+    ),
+    **{
+        f"proxy.spans.wal.xǁWalWriterǁ{m}": (
+            "the rate-limit key of a warning no other warning shares: any other key (or None) limits it alike"
+        )
+        for m in (
+            "_roll__mutmut_2",
+            "_roll__mutmut_8",
+            "_roll__mutmut_9",
+            "_drop_bodies__mutmut_10",
+            "_drop_bodies__mutmut_20",
+            "_drop_bodies__mutmut_21",
+            "_write__mutmut_8",
+            "_write__mutmut_14",
+            "_write__mutmut_15",
+            "_write__mutmut_78",
+            "_write__mutmut_86",
+            "_write__mutmut_87",
+        )
+    },
+    **{
+        f"proxy.spans.wal.{m}": "O_RDONLY & O_CLOEXEC is O_RDONLY: close-on-exec only matters to a program "
+        "exec'd while the fd is open, and it is closed before the function returns"
+        for m in ("x_segment_sealed__mutmut_6", "x_read_frames__mutmut_8")
+    },
+    **{
+        f"proxy.spans.wal.x_read_frames__mutmut_{n}": (
+            "a read larger than needed, or one more read (b'XXXX' for the first empty buffer, a re-read "
+            "at exactly a header's end): the frames are checked against `limit` all the same"
+        )
+        for n in (24, 41, 60, 61, 109, 110, 125)
+    },
+    **{
+        f"proxy.spans.wal.x_read_frames__mutmut_{n}": (
+            "a header cut short: the buffer is re-read at `pos` first (rel = 0), so len(buf) + rel and "
+            "len(buf) - rel agree; and a cut header goes to the same resync, counted alike, as damage or "
+            "as an incomplete frame (header_ok None/True, length 1)"
+        )
+        for n in (62, 64, 65, 67)
+    },
+    **{
+        f"proxy.spans.wal.x_read_frames__mutmut_{n}": (
+            "resync from pos - 1 or pos + 2 after a header whose length runs past the end: no valid frame "
+            "starts at pos - 1 or pos + 1 (its magic would overlap the one at pos), and the frame at pos "
+            "itself runs past the limit"
+        )
+        for n in (93, 94)
+    },
+    **{
+        f"proxy.spans.wal.x_valid_end__mutmut_{n}": (
+            "another max_bytes per read: the scan only takes more or fewer reads to the same end"
+        )
+        for n in (13, 15, 16, 17)
+    },
+    **{
+        f"proxy.spans.wal.xǁWalWriterǁappend_step__mutmut_{n}": (
+            "the payloads / parts of a record dropped because the writer is closed: never read"
+        )
+        for n in (7, 8)
+    },
+    "proxy.spans.wal.xǁWalWriterǁ_write__mutmut_94": (
+        "offset > 1 for offset > 0: the offset is 0 or at least one whole record (20 bytes and more)"
+    ),
+    **{
+        f"proxy.spans.wal.xǁWalWriterǁ_write__mutmut_{n}": (
+            "the rate-limit key of a warning no other warning shares: any other key (or None) limits it alike"
+        )
+        for n in (103, 111, 112)
+    },
+    **{
+        f"proxy.spans.wal.xǁWalWriterǁ_write__mutmut_{n}": (
+            'the key "fsync" of the always-mode fdatasync warning: in that mode the syncer never fsyncs the '
+            "active segment, the only other warning of that key"
+        )
+        for n in (53, 61, 62)
+    },
 }
 
 KILLED = {"killed", "timeout"}
@@ -263,6 +376,11 @@ def setup_cfg(target: Target, work: Path) -> str:
     # Everything tests read besides proxy/ and tests/ (queries/ behind proxy/sql, dashboards/,
     # docker-compose.yml...) goes into mutmut's copy of the tree too.
     also = sorted(p.name + ("/" if p.is_dir() else "") for p in work.iterdir() if p.name not in _OWN)
+    # mutmut copies proxy/'s sources, not its symlinks: proxy/sql (-> queries/, what
+    # proxy.queryfiles reads at import of proxy.readcli) is copied in with its contents.
+    also += sorted(
+        str(p.relative_to(work)) + "/" for p in (work / "proxy").rglob("*") if p.is_symlink() and p.is_dir()
+    )
     lines = [
         "[mutmut]",
         "source_paths = proxy/",

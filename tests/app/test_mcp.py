@@ -8,7 +8,6 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from contextlib import suppress
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -385,14 +384,19 @@ async def test_kill9_during_a_call_then_reconcile(servers, tmp_path: Path):  # t
     args = {"seconds": 30, "tag": tag}
     try:
         url = f"{proc.url}/mcp/crm"
-        # The SDK's transport fails with the connection: its errors end the first session.
-        with suppress(ExceptionGroup, httpx2.HTTPError, MCPError):
+        # What the agent sees at the kill: the SDK's transport fails with the connection (closed
+        # with no answer), its session's task group cancels the call in flight and ends with
+        # that error.
+        with pytest.raises(ExceptionGroup) as ended:
             async with session(url, run) as s:
                 in_flight = asyncio.create_task(s.call_tool("slow", args))
                 await wait_for(lambda: executions(server, "slow", tag=tag))
                 proc.kill9()
-                with suppress(Exception):
-                    await asyncio.wait_for(in_flight, 10)
+                await asyncio.wait_for(in_flight, 10)
+        assert in_flight.cancelled()
+        [cause] = ended.value.exceptions
+        assert isinstance(cause, httpx2.RemoteProtocolError), repr(cause)
+        assert "disconnected without sending a response" in str(cause)
         proc.start()  # same data directory: the dead process's in-flight call is unknown now
         async with session(url, run) as s:
             with pytest.raises(MCPError) as err:

@@ -72,12 +72,14 @@ async def test_cancel_aborts_in_flight_and_refuses_later_calls(runcap_factory, u
         model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}], stream=True, extra_headers=h
     )
 
+    flowing = asyncio.Event()
+
     async def consume():  # type: ignore[no-untyped-def]
         async for _ in stream:
-            pass
+            flowing.set()
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(flowing.wait(), 10)  # the stream is in flight (2.5 s of chunks)
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{rc.url}/runs/cx/cancel") as r:
             assert r.status == 401  # admin token required
