@@ -156,7 +156,10 @@ class Metrics:
         ))  # fmt: skip
         self.clamped = Counter("runcap_clamped_calls", "Calls whose output limit runcap lowered.", registry=r)
         self.final_steps = Counter("runcap_final_steps", "Answer-only final steps enforced.", registry=r)
+        # Read at scrape time: a plain count on the request path, not a gauge's locked inc/dec.
+        self.calls_in_flight = 0
         self.in_flight = Gauge("runcap_in_flight", "Upstream calls in flight.", registry=r)
+        self.in_flight.set_function(lambda: self.calls_in_flight)
         self.tool_calls: Bounded[Counter] = Bounded(Counter(
             "runcap_tool_calls", "Calls through /tools, by tool and outcome (ok, error, replayed, ...).",
             ["tool", "outcome"], registry=r,
