@@ -48,6 +48,9 @@ from bench.loadgen import Result, run_subprocess
 ROOT = Path(__file__).resolve().parent.parent
 BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 32}
 CAP_HEADERS = {"X-Run-Max-Usd": "1000", "X-Run-Max-Steps": "100"}
+_PLAIN: tuple[str, dict[str, str]] = ("no run headers", {})
+_CAPPED: tuple[str, dict[str, str]] = ("capped runs", CAP_HEADERS)
+HEADER_SETS = {"both": (_PLAIN, _CAPPED), "none": (_PLAIN,), "capped": (_CAPPED,)}
 
 
 def free_port() -> int:
@@ -88,10 +91,12 @@ def start_upstream(log: Path) -> tuple[int, subprocess.Popen[bytes]]:
     return port, start(argv, port, "upstream", log)
 
 
-def serve_argv(cfg: Path, up_port: int, port: int, data_dir: Path, tracing: bool) -> list[str]:
+def serve_argv(
+    cfg: Path, up_port: int, port: int, data_dir: Path, tracing: bool, access_log: bool = False
+) -> list[str]:
     """`runcap serve` on `port` in front of the upstream at `up_port`, its config written to `cfg`."""
     cfg.write_text(
-        f"log_requests = false\ntracing = {'true' if tracing else 'false'}\n"
+        f"log_requests = {'true' if access_log else 'false'}\ntracing = {'true' if tracing else 'false'}\n"
         f'[upstreams.openai]\nurl = "http://127.0.0.1:{up_port}"\n'
     )
     serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)]
@@ -147,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", action="store_true", help="also measure the smallest aiohttp relay")
     ap.add_argument("--baseline", type=Path, help="compare this tree with that checkout, side by side")
     ap.add_argument("--tracing", choices=("on", "off"), default="off", help="with --baseline (default off)")
+    ap.add_argument(
+        "--access-log", choices=("on", "off"), default="off",
+        help="with --baseline: log_requests, runcap's default is on (default off)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--headers", choices=tuple(HEADER_SETS), default="both",
+        help="with --baseline: requests without run headers, capped, or both (default both)",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds per scenario (default 3)")
     args = ap.parse_args(argv)
     if args.baseline is not None:
@@ -247,7 +260,7 @@ def compare_trees(args: argparse.Namespace) -> int:
         for name, tree in trees.items():
             port = free_port()
             cfg, data_dir = tmp / f"runcap-{name}.toml", tmp / f"data-{name}"
-            serve = serve_argv(cfg, up_port, port, data_dir, args.tracing == "on")
+            serve = serve_argv(cfg, up_port, port, data_dir, args.tracing == "on", args.access_log == "on")
             proc = subprocess.Popen(
                 serve, cwd=tree, stdout=subprocess.DEVNULL, stderr=open(tmp / f"runcap-{name}.log", "ab")
             )
@@ -261,7 +274,7 @@ def compare_trees(args: argparse.Namespace) -> int:
             (f"closed c={args.concurrency}", {"concurrency": args.concurrency})
         ]
         loads += [(f"open {float(r):g} req/s", {"rate": float(r)}) for r in args.rates.split(",") if r]
-        for headers_name, headers in (("no run headers", {}), ("capped runs", CAP_HEADERS)):
+        for headers_name, headers in HEADER_SETS[args.headers]:
             for load_name, kw in loads:
                 samples: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
                 for round_ in range(args.rounds):
@@ -283,7 +296,7 @@ def compare_trees(args: argparse.Namespace) -> int:
         stop_all(procs)
     save_json(args.json, results)
     print()
-    head = f"scenario (tracing {args.tracing})"
+    head = f"scenario (tracing {args.tracing}, access log {args.access_log})"
     print(f"{head:<36} {'req/s this/base':>16} {'CPU ms/req this/base':>21}", end=" ")
     print(f"{'p50 this/base':>14} {'p99 this/base':>14}")
     for r in results:

@@ -42,7 +42,7 @@ from proxy.server.ops import OpsRoutes
 from proxy.server.outbound import OutboundClient
 from proxy.server.reconcile import IdempotencyAdmin
 from proxy.server.run_path import run_path_request
-from proxy.server.steps.accesslog import AccessLogStep
+from proxy.server.steps.accesslog import AccessLogStep, write_lines_directly
 from proxy.server.steps.budget import BudgetStep, pricing_provider
 from proxy.server.steps.context import ContextStep
 from proxy.server.steps.tenant_objects import TenantObjects
@@ -389,6 +389,13 @@ def _serve_one(config: Config, reuse_port: bool, worker: int | None, parent_pid:
         )  # fmt: skip
 
     app.on_shutdown.append(draining)
+    access_log = write_lines_directly() if config.log_requests else None
+    if access_log is not None:  # the lines of the last loop turn, before the "stopped" lines
+
+        async def flush_access_log(app: web.Application) -> None:
+            access_log.flush()
+
+        app.on_cleanup.append(flush_access_log)
     run_guarded(
         app, sock, guard, keepalive_timeout_s=config.connections.keepalive_timeout_s, shutdown_timeout_s=10
     )

@@ -119,7 +119,7 @@ class Forwarder:
         # In flight from here: an operator's cancel also cuts what the steps do before the
         # call (a context policy's summary call is a model call of its own).
         self.flights.add(flow.run.run_id, task, flow)
-        self.metrics.in_flight.inc()
+        self.metrics.calls_in_flight += 1
         try:
             try:
                 await self.steps.request(flow)
@@ -135,7 +135,7 @@ class Forwarder:
                 ))  # fmt: skip
             return await self._exchange(flow)
         finally:
-            self.metrics.in_flight.dec()
+            self.metrics.calls_in_flight -= 1
             self.flights.remove(flow.run.run_id, task)
 
     async def _read(self, flow: Flow, clients: ClientAuth) -> None:

@@ -33,6 +33,9 @@ _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhos
 _WILDCARD_LISTEN = frozenset({"0.0.0.0", "::", ""})
 # The JSON-RPC error code the MCP SDKs answer a refused Origin/Host with.
 _MCP_FORBIDDEN = -32000
+# How many distinct `Host` values `LocalTrust` remembers the verdict of (clients send one or two;
+# a flood of distinct ones is only judged again, not remembered).
+_HOST_VERDICTS = 256
 
 
 class Forbidden(Rejection):
@@ -71,14 +74,25 @@ class LocalTrust:
         self.hosts = frozenset(hosts - {"*"})
         self.any_origin = "*" in local.allowed_origins
         self.origins = frozenset(local.allowed_origins) - {"*"}
+        # Host header → allowed: judged once per value (an ipaddress parse per request was ~1 %
+        # of a request's CPU).
+        self._host_verdicts: dict[str, bool] = {}
+
+    def host_allowed(self, host: str) -> bool:
+        verdict = self._host_verdicts.get(host)
+        if verdict is None:
+            name = host_name(host)
+            verdict = is_loopback(name) or name in self.hosts
+            if len(self._host_verdicts) < _HOST_VERDICTS:
+                self._host_verdicts[host] = verdict
+        return verdict
 
     def refusal(self, request: web.Request) -> Forbidden | None:
         if not self.any_host:
             given = request.headers.getall("Host", [])
             if len(given) > 1:
                 return Forbidden("Host: sent more than once", code="host_not_allowed", param="Host")
-            name = host_name(given[0]) if given else ""
-            if given and not (is_loopback(name) or name in self.hosts):
+            if given and not self.host_allowed(given[0]):
                 return Forbidden(
                     f"Host: {given[0][:100]!r} is not a name this runcap answers to (loopback names, the "
                     "listen address, and [local] allowed_hosts); a web page that rebinds its DNS name "

@@ -90,11 +90,23 @@ class Bounded(Generic[_T]):
         self.metric = metric
         self._limit = limit
         self._labels: list[_LabelValues] = []  # one per label, by position
+        # The child of each label set seen within the bounds, looked up once and kept: a request
+        # counts under the same few (route, status) sets, and prometheus_client's own `labels()`
+        # (validation, a lock, a dict) was ~1 % of a request's CPU. Only sets no value of which
+        # overflowed are kept, so the cache is bounded as the label values are.
+        self._children: dict[tuple[object, ...], _T] = {}
 
     def labels(self, *values: object) -> _T:
+        child = self._children.get(values)
+        if child is not None:
+            return child
         while len(self._labels) < len(values):
             self._labels.append(_LabelValues(self._limit))
-        return self.metric.labels(*(bound(v) for bound, v in zip(self._labels, values, strict=False)))  # type: ignore[no-any-return]
+        bounded = [bound(v) for bound, v in zip(self._labels, values, strict=False)]
+        child = self.metric.labels(*bounded)
+        if OVERFLOW_LABEL not in bounded:
+            self._children[values] = child
+        return child  # type: ignore[no-any-return]
 
 
 class Metrics:
@@ -144,7 +156,10 @@ class Metrics:
         ))  # fmt: skip
         self.clamped = Counter("runcap_clamped_calls", "Calls whose output limit runcap lowered.", registry=r)
         self.final_steps = Counter("runcap_final_steps", "Answer-only final steps enforced.", registry=r)
+        # Read at scrape time: a plain count on the request path, not a gauge's locked inc/dec.
+        self.calls_in_flight = 0
         self.in_flight = Gauge("runcap_in_flight", "Upstream calls in flight.", registry=r)
+        self.in_flight.set_function(lambda: self.calls_in_flight)
         self.tool_calls: Bounded[Counter] = Bounded(Counter(
             "runcap_tool_calls", "Calls through /tools, by tool and outcome (ok, error, replayed, ...).",
             ["tool", "outcome"], registry=r,
