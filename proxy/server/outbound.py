@@ -7,6 +7,8 @@ holds for all of them holds because it is written once, here:
 * **No redirect is followed.** `OutboundClient.request` is the only way to send, and it never
   follows one: a 3xx is the server's answer, relayed or recorded as such (a followed 307 would
   carry a tool's configured secret header, and the call's body, to another origin).
+* **No cookie kept.** A `Set-Cookie` is relayed to the agent that got it; the pooled session stores
+  none, so no run or tenant sends another's cookie.
 * **No silent second send.** aiohttp resends a request whose pooled connection reset, when its
   method is "idempotent" (PUT, DELETE...). A side-effecting tool call is not, whatever its
   method: a resend is a second execution. Off.
@@ -143,6 +145,9 @@ class OutboundClient:
             ),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s),
             auto_decompress=True,
+            # One session serves every run and tenant: a cookie an upstream sets is the agent's
+            # (relayed in the answer), never runcap's to send on someone else's next call.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         # aiohttp's resend of a PUT/DELETE/GET whose pooled connection reset (RFC 9112 9.3.1) has no
         # public switch; a tool's DELETE may have executed before the reset.
