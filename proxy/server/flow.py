@@ -212,17 +212,19 @@ class Pipeline:
         """The bound `name` hooks that are called, in order (for tests and introspection)."""
         return list(self._hooks[name])
 
-    async def request(self, flow: Flow) -> None:
-        for hook in self._hooks["request"]:
+    async def _each(self, name: str, flow: Flow) -> None:
+        """The `request`/`response`/`answer` policy: in order, and the first exception propagates."""
+        for hook in self._hooks[name]:
             await hook(flow)
+
+    async def request(self, flow: Flow) -> None:
+        await self._each("request", flow)
 
     async def response(self, flow: Flow) -> None:
-        for hook in self._hooks["response"]:
-            await hook(flow)
+        await self._each("response", flow)
 
     async def answer(self, flow: Flow) -> None:
-        for hook in self._hooks["answer"]:
-            await hook(flow)
+        await self._each("answer", flow)
 
     async def done(self, flow: Flow) -> None:
         cancelled: asyncio.CancelledError | None = None
