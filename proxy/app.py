@@ -212,7 +212,8 @@ def build_app(
         await rt.client.start()
         budget = BudgetStep(config, ledger, rt.prices, metrics)
         # The context step first: a policy's rewrite and the context cap come before any reservation.
-        inner = InnerCalls(rt.client)  # runcap's own calls within a run: fetch continuations, summaries
+        # runcap's own calls within a run: fetch continuations, summaries.
+        inner = InnerCalls(rt.client, config.max_answer_bytes)
         context = ContextStep(config.context, config.caps, budget.history, metrics, inner)
         # Tenants sharing a provider key see only their own provider objects; first, so a refused
         # read reserves and counts nothing.

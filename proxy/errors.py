@@ -167,6 +167,17 @@ class UpstreamUnavailable(Rejection):
         )
 
 
+class UpstreamAnswerTooLarge(Rejection):
+    """A buffered answer of the upstream passed `max_answer_bytes` while runcap read it: cut, and
+    settled at its reservation (the provider did the work and bills it). Not retried: the same
+    request would bring the same answer, and its cost, again."""
+
+    status = 502
+    type = "upstream_error"
+    code = "answer_too_large"
+    param = "max_answer_bytes"
+
+
 class LedgerUnavailable(Rejection):
     """The run ledger could not be asked in time: unreachable, timed out, or its disk full. The
     call was not forwarded (a call is never forwarded unmetered), so retrying later is safe and

@@ -440,6 +440,11 @@ class Config:
         check=_admin_token, shown="generated",
     )  # fmt: skip
     max_body_bytes: int = setting(32 * 1024 * 1024, "larger request bodies: 413", minimum=1)
+    max_answer_bytes: int = setting(
+        128 * 1024 * 1024, "a larger buffered (non-stream) model answer is cut: 502 `answer_too_large`, "
+        "charged at its reservation; bounds runcap's memory whatever an upstream sends",
+        minimum=1,
+    )  # fmt: skip
     workers: int = setting(
         1, "processes sharing the port (SO_REUSEPORT) and the ledger", minimum=1, flag="--workers"
     )

@@ -43,9 +43,8 @@ from proxy.mcp.wire import (
     sse_event,
 )
 from proxy.server.headers import response_headers
-from proxy.server.outbound import release_or_drop
+from proxy.server.outbound import ResponseTooLarge, read_bounded, release_or_drop
 from proxy.toolcall.clock import tool_clock
-from proxy.toolcall.outcome import ToolResponseTooLarge, read_bounded
 from proxy.toolcall.route import ToolRoute
 from proxy.upstream_url import UpstreamTarget
 
@@ -58,7 +57,7 @@ DRAIN_S = 0.05  # how long the end of a stream is waited for after its answer
 
 Watch = Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]]
 # What sending a message or reading the server's answer to it raises when it fails.
-ANSWER_FAILED = (aiohttp.ClientError, OSError, ToolResponseTooLarge, EventTooLarge)
+ANSWER_FAILED = (aiohttp.ClientError, OSError, ResponseTooLarge, EventTooLarge)
 
 
 @dataclass(slots=True, eq=False)
@@ -176,7 +175,7 @@ class StreamableHTTPRelay:
                 self.route.flights.remove(run.run_id, task)
 
     def unavailable(self, server: MCPServerConfig, method: Any, e: BaseException) -> UpstreamUnavailable:
-        if isinstance(e, (ToolResponseTooLarge, EventTooLarge)):
+        if isinstance(e, (ResponseTooLarge, EventTooLarge)):
             return UpstreamUnavailable(
                 f"MCP server {server.name!r} answered {method} with more than tool_max_response_bytes = "
                 f"{self.route.config.tool_max_response_bytes} bytes in one message",

@@ -27,6 +27,7 @@ from proxy.errors import (
     InvalidRequest,
     Rejection,
     RunCancelled,
+    UpstreamAnswerTooLarge,
     UpstreamUnavailable,
 )
 from proxy.providers.base import BodyError, ResponseInfo
@@ -35,7 +36,7 @@ from proxy.server.auth import ClientAuth
 from proxy.server.flow import Flights, Flow, Pipeline
 from proxy.server.headers import response_headers
 from proxy.server.metrics import Metrics
-from proxy.server.outbound import OutboundClient, model_headers, run_deadline
+from proxy.server.outbound import OutboundClient, ResponseTooLarge, model_headers, read_bounded, run_deadline
 from proxy.server.request_body import read_body
 from proxy.upstream_url import UpstreamTarget
 
@@ -232,8 +233,20 @@ class Forwarder:
         finally:
             flow.upstream_answered()  # cut short: the wait ends here
 
-    async def _buffered(self, flow: Flow, upstream: aiohttp.ClientResponse) -> web.Response:
-        body = await upstream.read()
+    async def _buffered(self, flow: Flow, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        limit = self.config.max_answer_bytes
+        try:
+            body = await read_bounded(upstream, limit)
+        except ResponseTooLarge as e:
+            # The upstream answered (and bills it): the step counts and is charged at its
+            # reservation (budget.settlement: no usage read); the agent gets the refusal.
+            flow.upstream_answered()
+            flow.response_bytes = e.size or limit + 1
+            return await self._cut(flow, None, UpstreamAnswerTooLarge(
+                f"upstream '{flow.upstream.name}' answered with more than max_answer_bytes = {limit} "
+                f"bytes{f' (Content-Length {e.size})' if e.size else ''}; the answer was cut and the "
+                "call is charged at its reservation"
+            ))  # fmt: skip
         flow.upstream_answered()
         flow.response_body = body
         flow.status = upstream.status

@@ -25,17 +25,18 @@ import aiohttp
 import orjson
 
 from proxy.context import ModelAnswer, ModelCaller
-from proxy.errors import DeadlineExceeded, InvalidRequest, Rejection
+from proxy.errors import DeadlineExceeded, InvalidRequest, Rejection, UpstreamAnswerTooLarge
 from proxy.providers.base import BodyError
 from proxy.server.flow import Flow
-from proxy.server.outbound import OutboundClient, model_headers, run_deadline
+from proxy.server.outbound import OutboundClient, ResponseTooLarge, model_headers, read_bounded, run_deadline
 
 
 class InnerCalls:
     """runcap's own model calls, through `client`; each goes through its parent flow's pipeline."""
 
-    def __init__(self, client: OutboundClient) -> None:
+    def __init__(self, client: OutboundClient, max_answer_bytes: int = 128 * 1024 * 1024) -> None:
         self.client = client
+        self.max_answer_bytes = max_answer_bytes  # the agent's calls' bound (config `max_answer_bytes`)
 
     def caller(self, parent: Flow) -> ModelCaller:
         """`parent`'s calls as the policies see them: body in, `ModelAnswer` out."""
@@ -90,7 +91,19 @@ class InnerCalls:
                 "POST", child.target.url, deadline=deadline, headers=headers, data=sent
             ) as upstream:
                 child.upstream_status = child.status = upstream.status
-                raw = await upstream.read()
+                raw = await read_bounded(upstream, self.max_answer_bytes)
+        except ResponseTooLarge as e:
+            # Answered, and billed: charged at its reservation (no usage read), as forward.py does.
+            child.response_bytes = e.size or self.max_answer_bytes + 1
+            child.outcome, child.status = "error", UpstreamAnswerTooLarge.status
+            child.error = (
+                f"upstream '{child.upstream.name}' answered runcap's own call with more than "
+                f"max_answer_bytes = {self.max_answer_bytes} bytes"
+            )
+            raise UpstreamAnswerTooLarge(
+                f"{child.error} (step {child.step}); the answer was cut and the call is charged at "
+                "its reservation"
+            ) from None
         except TimeoutError:
             child.cut_reason = child.cut_reason or "deadline"
             child.outcome, child.status = DeadlineExceeded.outcome, DeadlineExceeded.status

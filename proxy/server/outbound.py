@@ -196,3 +196,23 @@ class OutboundClient:
         if self._session is None:
             raise RuntimeError("an outbound client is used before the application started")
         return self._session.request(method, url, headers=headers, data=data, allow_redirects=False)
+
+
+class ResponseTooLarge(Exception):
+    def __init__(self, size: int | None) -> None:
+        super().__init__(size)
+        self.size = size  # the declared Content-Length, when there was one
+
+
+async def read_bounded(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole answer, or `ResponseTooLarge` as soon as it passes `limit` bytes: memory (and a
+    tool's outcome record) stay bounded whatever an upstream or a tool sends."""
+    declared = upstream.content_length
+    if declared is not None and declared > limit:
+        raise ResponseTooLarge(declared)
+    data = bytearray()
+    async for chunk in upstream.content.iter_any():
+        data += chunk
+        if len(data) > limit:
+            raise ResponseTooLarge(None)
+    return bytes(data)

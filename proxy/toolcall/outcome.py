@@ -22,8 +22,9 @@ transport is taken at its word too: HTTP 404 to a request that carried an `Mcp-S
 specification's "this session does not exist", which the server must give before dispatching
 anything and which tells the client to start a new session and send again (`session_refused`).
 
-Also here, because both gateways read an answer the same way: `read_bounded` (an answer larger
-than `tool_max_response_bytes` is refused while it is read).
+Both gateways read an answer with `proxy.server.outbound.read_bounded` (an answer larger than
+`tool_max_response_bytes` is refused while it is read), as the model path does with
+`max_answer_bytes`.
 """
 
 from __future__ import annotations
@@ -44,23 +45,3 @@ def session_refused(status: int, sent_headers: Mapping[str, str]) -> bool:
     """MCP Streamable HTTP: the server answered 404 to a request in a session it does not have
     (terminated or expired) — refused before dispatch; the client starts a new session."""
     return status == 404 and bool(sent_headers.get("Mcp-Session-Id"))
-
-
-class ToolResponseTooLarge(Exception):
-    def __init__(self, size: int | None) -> None:
-        super().__init__(size)
-        self.size = size  # the declared Content-Length, when there was one
-
-
-async def read_bounded(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole answer, or `ToolResponseTooLarge` as soon as it passes `limit` bytes (memory
-    and the ledger's outcome record stay bounded whatever a tool sends)."""
-    declared = upstream.content_length
-    if declared is not None and declared > limit:
-        raise ToolResponseTooLarge(declared)
-    data = bytearray()
-    async for chunk in upstream.content.iter_any():
-        data += chunk
-        if len(data) > limit:
-            raise ToolResponseTooLarge(None)
-    return bytes(data)

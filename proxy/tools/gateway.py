@@ -52,12 +52,12 @@ from proxy.errors import (
 from proxy.hashing import args_hash, idempotency_key, parse_json, result_hash
 from proxy.ledger.base import IdempotencyRecord, RunState, ToolCallRequest
 from proxy.server.headers import AGENT_CREDENTIALS, request_headers, response_headers
-from proxy.server.outbound import release_or_drop
+from proxy.server.outbound import ResponseTooLarge, read_bounded, release_or_drop
 from proxy.server.request_body import read_body
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.keys import key_args
-from proxy.toolcall.outcome import ToolResponseTooLarge, never_left, read_bounded
+from proxy.toolcall.outcome import never_left
 from proxy.toolcall.route import ToolRoute
 from proxy.toolcall.span import record_tool_call
 from proxy.upstream_url import UpstreamTarget, remaining_segments
@@ -219,7 +219,7 @@ class ToolGateway(ToolRoute):
                     )
                     data = await read_bounded(upstream, self.config.tool_max_response_bytes)
                     status, answer_headers = upstream.status, upstream.headers
-            except ToolResponseTooLarge as e:
+            except ResponseTooLarge as e:
                 # The tool ran and answered, but its answer is too large to hold: that is the
                 # outcome (a repeat replays this 502, never a second execution).
                 limit = self.config.tool_max_response_bytes
