@@ -30,6 +30,7 @@ IMAGE_PORTS = {
     "minio/minio": {9000, 9001},
     "grafana/grafana": {3000},
     "otel/opentelemetry-collector-contrib": {4317, 4318, 13133},
+    "prom/prometheus": {9090},
 }
 
 
@@ -65,9 +66,14 @@ def dockerfile_text(svc: dict[str, Any]) -> str:
 
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
     s = compose["services"]
-    assert set(s) == {"runcap", "clickhouse", "redis", "minio", "minio-init", "grafana", "otel-collector"}
+    assert set(s) == {
+        "runcap", "clickhouse", "redis", "minio", "minio-init", "grafana", "otel-collector", "prometheus"
+    }  # fmt: skip
     assert s["otel-collector"]["profiles"] == ["otel"]
-    assert all("profiles" not in svc for name, svc in s.items() if name != "otel-collector")
+    assert s["prometheus"]["profiles"] == ["metrics"]
+    assert all(
+        "profiles" not in svc for name, svc in s.items() if name not in ("otel-collector", "prometheus")
+    )
 
 
 def test_secrets_are_required_and_listed_in_the_env_example() -> None:
@@ -90,7 +96,7 @@ def test_images_are_pinned_or_built_from_an_existing_dockerfile(compose: dict[st
         image = svc["image"]
         repo, _, tag = image.rpartition(":")
         assert repo and tag and tag != "latest" and "/" not in tag, f"{name}: {image} is not pinned"
-        assert re.match(r"^(\d+(\.\d+)*(-\w+)?|RELEASE\.\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ)$", tag), (
+        assert re.match(r"^(v?\d+(\.\d+)*(-\w+)?|RELEASE\.\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ)$", tag), (
             f"{name}: {tag}"
         )
 
@@ -134,6 +140,10 @@ def test_bind_mounts_exist_and_named_volumes_are_declared(compose: dict[str, Any
     assert mounts["grafana"]["/etc/grafana/provisioning/dashboards"] == "./dashboards/provisioning/dashboards"
     assert mounts["otel-collector"]["/etc/otelcol-contrib/config.yaml"] == "./deploy/otel-collector.yaml"
     assert mounts["clickhouse"]["/docker-entrypoint-initdb.d"] == "./deploy/clickhouse/initdb"
+    assert mounts["prometheus"]["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus/compose.yml"
+    assert (
+        mounts["prometheus"]["/etc/prometheus/runcap-alerts.yml"] == "./deploy/prometheus/runcap-alerts.yml"
+    )
 
 
 def test_start_order_is_backed_by_health_checks(compose: dict[str, Any]) -> None:
@@ -159,7 +169,8 @@ def test_start_order_is_backed_by_health_checks(compose: dict[str, Any]) -> None
         "minio-init": {"condition": "service_completed_successfully"},
     }
     assert services["minio-init"]["depends_on"] == {"minio": {"condition": "service_healthy"}}
-    for name in ("runcap", "clickhouse", "redis", "minio", "grafana"):
+    assert services["prometheus"]["depends_on"] == {"runcap": {"condition": "service_healthy"}}
+    for name in ("runcap", "clickhouse", "redis", "minio", "grafana", "prometheus"):
         assert services[name]["healthcheck"]["test"], name
     assert "/readyz" in " ".join(services["runcap"]["healthcheck"]["test"])
 
@@ -248,6 +259,37 @@ def test_runcap_configuration_loads_with_the_compose_environment(compose: dict[s
     assert config.spans.s3_url and config.ledger.redis_url and config.admin_token
     assert config.spans.otlp_endpoint is None and config.spans.tracing
     assert config.caps.ceiling_max_usd_nanos is not None  # production has a dollar ceiling
+
+
+def test_prometheus_scrapes_runcap_and_loads_its_alert_rules(compose: dict[str, Any]) -> None:
+    """`--profile metrics`: the Prometheus it starts scrapes the runcap service on the port runcap
+    listens on, evaluates the alert rules it mounts (the file the alert tests check), and its
+    configuration passes Prometheus' own check; its UI is published on loopback only."""
+    prom = compose["services"]["prometheus"]
+    config_path = REPO / "deploy/prometheus/compose.yml"
+    config = yaml.safe_load(config_path.read_text())
+    (job,) = config["scrape_configs"]
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    command = compose["services"]["runcap"]["command"]
+    listen_port = command[command.index("--listen") + 1].rsplit(":", 1)[1]
+    assert targets == [f"runcap:{listen_port}"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    mounted = {str(v).split(":")[1] for v in prom["volumes"]}
+    assert {f"/etc/prometheus/{rule}" for rule in config["rule_files"]} <= mounted
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert all(str(p).startswith("127.0.0.1:") for p in prom["ports"])
+    # runcap's Host check lets the scrape in: the service name is an allowed Host.
+    runcap_toml = tomllib.loads((REPO / "deploy/runcap.toml").read_text())
+    assert "runcap" in runcap_toml["local"]["allowed_hosts"]
+    tool = shutil.which("promtool")
+    if tool is None:
+        missing("promtool is missing (scripts/setup.sh installs Debian's prometheus package)")
+        return
+    done = subprocess.run(
+        [tool, "check", "config", str(config_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
 
 
 def test_grafana_reads_clickhouse_as_the_read_only_user(compose: dict[str, Any]) -> None:
