@@ -116,9 +116,11 @@ TARGETS: dict[str, Target] = {
     ),
     "budget": Target(
         "proxy/server/steps/budget.py",
-        # (the allow-list, unmetered endpoints and the retried settlement: test_budget_step.py;
+        # (its pure decisions one by one: test_budget_rules.py; the allow-list, unmetered
+        # endpoints and the retried settlement: test_budget_step.py;
         # the refusals of unmetered endpoints under each cap: the trust-boundary tests named)
         (
+            "tests/unit/server/test_budget_rules.py",
             "tests/app/test_caps.py",
             "tests/app/test_budget_step.py",
             "tests/app/test_trust_boundary.py::test_unmetered_posts_are_refused_under_a_dollar_or_token_cap",
