@@ -304,7 +304,11 @@ def test_segments_are_deleted_once_every_sink_passed_them(tmp_path: Path) -> Non
     for i in range(200):
         w.append_step([make_span(i)])
     wait_until(lambda: len(fast.spans) == 200)
-    time.sleep(0.2)
+    # The slow sink tried (and failed) again after the fast one had everything: the shipper has
+    # been round since, and deleted nothing the slow sink has not passed.
+    tried = len(slow.attempts)
+    wait_until(lambda: len(slow.attempts) > tried)
+    assert s.deleted_segments == 0
     kept = segments(tmp_path)
     assert len(kept) > 5  # the failing sink has not passed them: all kept
     slow.failing = False
@@ -342,8 +346,10 @@ def test_payloads_once_per_hash_and_not_held_back_by_spans_or_an_outage(tmp_path
     wait_until(lambda: s.stats()["sinks"][PAYLOADS_LANE]["errors"] >= 1)
     store.down = False
     wait_until(lambda: s.stats()["sinks"][PAYLOADS_LANE]["unshipped_bytes"] == 0)
+    before = s.stats()["sinks"][PAYLOADS_LANE]["records_written"]
     w.append_step([make_span(8)], [], [same])  # stored already: not uploaded again
-    time.sleep(0.2)
+    wait_until(lambda: s.stats()["sinks"][PAYLOADS_LANE]["records_written"] > before)
+    wait_until(lambda: s.stats()["sinks"][PAYLOADS_LANE]["unshipped_bytes"] == 0)
     s.stop()
     w.close()
     for body in [*bodies, same]:
