@@ -121,6 +121,7 @@ TARGETS: dict[str, Target] = {
         # the refusals of unmetered endpoints under each cap: the trust-boundary tests named)
         (
             "tests/unit/server/test_budget_rules.py",
+            "tests/unit/server/test_budget_step_ledger.py",
             "tests/app/test_caps.py",
             "tests/app/test_budget_step.py",
             "tests/app/test_trust_boundary.py::test_unmetered_posts_are_refused_under_a_dollar_or_token_cap",
@@ -170,6 +171,18 @@ EQUIVALENT: dict[str, str] = {
         "the first read skipped: the O_EXCL create then fails on the existing file, which is read"
     ),
     "proxy.server.auth.x_ensure_admin_token__mutmut_12": "token_urlsafe(None) is its default, 32 bytes",
+    # the budget step
+    "proxy.server.steps.budget.x_passthrough_allowed__mutmut_20": "zip(strict=None): not strict, the default",
+    "proxy.server.steps.budget.x_passthrough_allowed__mutmut_23": "zip() without strict= is strict=False",
+    "proxy.server.steps.budget.xǁBudgetStepǁsettlement__mutmut_111": (
+        'cut_reason None looked up as "XXXX" instead of "": neither is a key, both give None'
+    ),
+    "proxy.server.steps.budget.xǁBudgetStepǁsettlement__mutmut_19": (
+        "replace() without tool_uses= keeps the same mapping: usages replace it, never change it in place"
+    ),
+    "proxy.server.steps.budget.xǁBudgetStepǁsettlement__mutmut_64": (
+        "replace() without tool_uses= keeps the same mapping: usages replace it, never change it in place"
+    ),
     # the URL builder
     "proxy.upstream_url.x__check_segment__mutmut_19": 'codec "UTF-8" is "utf-8"',
     "proxy.upstream_url.x_decode_segment__mutmut_9": 'codec "UTF-8" is "utf-8"',

@@ -70,6 +70,7 @@ def price(inp: int, out: int) -> int:
         (0, False, None, 0, "deadline", "", (True, False)),  # ... but not when runcap cut it
         (0, False, None, 0, "cancel", "", (True, False)),
         (0, False, None, 0, None, "client disconnected", (True, False)),  # nor when the agent left
+        (0, False, b"", 5, None, "", (True, True)),  # no status is no answer, whatever was counted
         (200, False, None, 0, None, "", (True, True)),  # headers, then nothing
         (200, False, None, 10, None, "", (False, False)),  # a stream that sent bytes: an answer
         (200, False, b"", 0, None, "", (False, False)),  # a buffered empty body is an answer
@@ -147,6 +148,9 @@ def test_run_headers_never_go_negative() -> None:
         (("/v1/threads/*/runs",), "/v1/threads/t1/messages", False),
         (("/v1/a", "/v1/b"), "/v1/b/x", True),  # any pattern
         ((), "/v1/files", False),
+        (("/v1/threads/*",), "/v1/threads/", False),  # a trailing slash is not a segment
+        (("/v1/fileX",), "/v1/fileX", True),  # only slashes are stripped
+        (("/v1/files",), "/v1/fileX", False),
     ],
 )
 def test_passthrough_allowed(patterns: tuple[str, ...], path: str, allowed: bool) -> None:
@@ -172,6 +176,9 @@ def test_an_answer_is_charged_what_it_reports() -> None:
     assert s.cost_usd_nanos == flow.cost_nanos == price(30, 70) > 0
     assert s.finished and not s.no_answer and not s.upstream_failed and s.run_status is None
     assert flow.usage_reserved == (False, False) and flow.price_known
+    assert (
+        flow.cost is not None and flow.cost.known and flow.usage == Usage(input_tokens=30, output_tokens=70)
+    )
 
 
 def test_an_answer_without_usage_is_charged_the_reserved_worst_case() -> None:
@@ -247,6 +254,9 @@ def test_tool_calls_the_model_asked_for_and_the_provider_ran_are_counted() -> No
     flow.response_info.provider_tool_calls = calls[:2]
     assert step().settlement(flow, reservation()).tool_calls_requested == 5
     assert step().settlement(answered(None), reservation()).tool_calls_requested == 0
+    flow = answered(None)
+    flow.response_info = None  # nothing read of the answer
+    assert step().settlement(flow, reservation()).tool_calls_requested == 0
 
 
 def test_only_an_ok_or_incomplete_finished_answer_ends_the_run() -> None:
