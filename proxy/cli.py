@@ -169,6 +169,11 @@ def _add_read_commands(sub: Any) -> None:
     _add_client_args(p)
     _add_wide_arg(p)
     p.add_argument("run_id")
+    p.add_argument(
+        "--tree", action="store_true",
+        help="the run's tree instead (its root, sub-agents, theirs...): per run its own and its subtree's "
+        "spend, tokens, steps, status and caps",
+    )  # fmt: skip
 
     p = sub.add_parser("payload", help="print a stored request/response body by its sha256")
     _add_client_args(p)

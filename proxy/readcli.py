@@ -1,4 +1,4 @@
-"""The read side of the CLI: `runcap query`, `sql`, `runs`, `run` and `payload`.
+"""The read side of the CLI: `runcap query`, `sql`, `runs`, `run` (`run --tree`) and `payload`.
 
 Where the SQL goes (`open_reader`):
 
@@ -245,6 +245,16 @@ _VIEWS = {
                 "response_hash": "response", "cost_parts": "billed"},
     ),
 }  # fmt: skip
+# `runcap run ROOT --tree`: the `run` rows of queries/run_tree_cost.sql, indented by depth
+# (`runcap query run_tree_cost` shows every row and column, as the file names them).
+_TREE_VIEW = TableView(
+    show=("run_id", "status", "steps", "tool_calls", "tokens", "cost_usd", "subtree_usd", "subtree_tokens",
+          "max_usd", "max_tokens", "max_steps", "max_tool_calls", "task"),
+    priority=("run_id", "cost_usd", "subtree_usd", "status", "max_usd", "steps", "tokens", "max_tokens",
+              "max_steps", "subtree_tokens", "tool_calls", "max_tool_calls", "task"),
+    labels={"tool_calls": "tools", "subtree_tokens": "subtree_tok", "max_tool_calls": "max_tools"},
+)  # fmt: skip
+_TREE_INDENT = "  "  # per depth, in `runcap run --tree`
 _SHORT_HASH = 12
 _ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00")
 
@@ -278,6 +288,8 @@ def _run(args: argparse.Namespace, reader: Reader) -> int:
                                         ("limit", args.limit)) if v is not None}  # fmt: skip
         if args.since:
             given["since"] = args.since
+    elif args.command == "run" and getattr(args, "tree", False):
+        return _run_tree(args, reader)
     elif args.command == "run":
         name, given = "run_timeline", {"run_id": args.run_id}
     else:
@@ -295,6 +307,30 @@ def _run(args: argparse.Namespace, reader: Reader) -> int:
     if not view.priority and query.priority:
         view = TableView(view.show, query.priority, view.labels)
     print_rows(columns, rows, args.json, view=view, title=title, wide=args.wide)
+    return 0
+
+
+def _run_tree(args: argparse.Namespace, reader: Reader) -> int:
+    """`runcap run RUN_ID --tree`: the run tree RUN_ID is in (from its root down, whichever of its
+    runs is named), one line per run, indented by depth: its own spend and its subtree's, tokens,
+    steps, status and caps — the `run` rows of queries/run_tree_cost.sql."""
+    query = load_query("run_tree_cost")
+    columns, rows = reader.query(query.sql, bind(query, {"run_id": args.run_id}, reader))
+    at = {c: i for i, c in enumerate(columns)}
+    nodes = [row for row in rows if row[at["row"]] == "run"]
+    if not any(row[at["run_id"]] == args.run_id for row in nodes):
+        raise ReadError(
+            f"no run {args.run_id!r} in the runs table of {reader.where} (a run has a row once its first "
+            "step is recorded)"
+        )
+    root = nodes[0][at["root_run_id"]]
+    [total] = [row for row in rows if row[at["row"]] == "tree"]
+    runs = f"{len(nodes)} run{'s' if len(nodes) != 1 else ''}"
+    title = f"run tree {root}: {runs}, ${_fmt_decimal(total[at['cost_usd']])}"
+    if not args.json:
+        for row in nodes:
+            row[at["run_id"]] = _TREE_INDENT * row[at["depth"]] + row[at["run_id"]]
+    print_rows(columns, nodes, args.json, view=_TREE_VIEW, title=title, wide=args.wide)
     return 0
 
 

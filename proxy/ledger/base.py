@@ -95,6 +95,14 @@ class RunState:
     context_baseline: int = 0
     # Model calls in a row that failed upstream (no answer); 0 after an answered call.
     upstream_failures: int = 0
+    # Run trees (issue 22): the run that spawned this one ("" for a root) and the tree's root
+    # ("" for a root: the run is its own root; see `root`).
+    parent_run_id: str = ""
+    root_run_id: str = ""
+
+    @property
+    def root(self) -> str:
+        return self.root_run_id or self.run_id
 
     @property
     def tool_calls(self) -> int:

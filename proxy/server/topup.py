@@ -28,7 +28,7 @@ from proxy.ledger.base import CapsChange, Ledger
 from proxy.money import format_usd, usd_to_nanos
 from proxy.server.auth import AdminGuard
 from proxy.server.ops import iso, run_json
-from proxy.server.steps.trace import run_snapshot
+from proxy.server.steps.trace import run_snapshot, run_tree
 from proxy.spans.model import Span
 from proxy.spans.recorder import SpanRecorder
 
@@ -195,6 +195,7 @@ class RunCapsAdmin:
                     "caps.new": orjson.dumps(new).decode(),
                     "client.address": request.remote or "",
                 },
+                **run_tree(state),
             )
         )
         self.recorder.run(run_snapshot(state))

@@ -83,6 +83,8 @@ SPAN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("request_hash", "String"),
     ("response_hash", "String"),
     ("attributes", "Map(LowCardinality(String), String)"),
+    ("parent_run_id", "String"),
+    ("root_run_id", "String"),
 )
 
 RUN_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -101,6 +103,8 @@ RUN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("max_steps", "Nullable(UInt32)"),
     ("max_tool_calls", "Nullable(UInt32)"),
     ("deadline", "Nullable(DateTime64(6, 'UTC'))"),
+    ("parent_run_id", "String"),
+    ("root_run_id", "String"),
 )
 
 EMBEDDED_SUBDIR = "clickhouse"

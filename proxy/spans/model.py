@@ -49,8 +49,9 @@ def new_span_id() -> str:
 
 @functools.lru_cache(maxsize=65536)
 def trace_id_for_run(run_id: str) -> str:
-    """One OpenTelemetry trace per run: the trace id is derived from the run id, so every replica
-    (and every restart) puts the run's spans in the same trace without coordination."""
+    """One OpenTelemetry trace per run tree: the trace id is derived from the root run's id, so
+    every replica (and every restart) puts a run's spans, and its sub-agents', in the same trace
+    without coordination (a run without a parent is its own root: one trace per run)."""
     return hashlib.sha256(b"runcap-trace:" + run_id.encode()).hexdigest()[:32]
 
 
@@ -87,10 +88,17 @@ class Span:
     request_hash: str = ""
     response_hash: str = ""
     attributes: dict[str, str] = field(default_factory=dict)
+    # The run tree (issue 22): the run that spawned this span's run ('' for a root) and the tree's
+    # root (a root's own id). Last, so a WAL record of version 2 is read by appending them.
+    parent_run_id: str = ""
+    root_run_id: str = ""
 
     def __post_init__(self) -> None:
+        if not self.root_run_id:
+            self.root_run_id = self.run_id
         if not self.trace_id:
-            self.trace_id = trace_id_for_run(self.run_id)
+            # a tree is one trace: a sub-agent's steps are in its root's trace
+            self.trace_id = trace_id_for_run(self.root_run_id)
 
 
 @dataclass(slots=True)
@@ -112,6 +120,13 @@ class RunSnapshot:
     max_steps: int | None
     max_tool_calls: int | None
     deadline: datetime | None
+    # The run tree, as on `Span` (a root: '' and its own id).
+    parent_run_id: str = ""
+    root_run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.root_run_id:
+            self.root_run_id = self.run_id
 
 
 @dataclass(slots=True)

@@ -18,6 +18,12 @@ from the batch that holds that snapshot, so a batch shipped again after a crash 
 span byte for byte (backends drop such repeats, as they do for the steps). Runs with a generated
 id (requests without `X-Run-Id`: one call each) get no agent span; their step stays the root.
 
+Run trees (issue 22): a tree is one trace, its root's (the trace id comes from the root run id:
+`Span.trace_id`), and a sub-agent's `invoke_agent` span is a child of its parent run's
+`invoke_agent` span (`agent_span_id(parent_run_id)`: derived, so replicas agree without asking
+each other); a run's model and tool spans stay under its own `invoke_agent`. The parent's span
+may be exported later than the child's (the parent ends last): trace backends join them by id.
+
 Names and attributes (GenAI semconv): model calls are CLIENT spans named `{operation} {model}`
 with `gen_ai.operation.name` = `chat` (chat/completions, responses, messages), `embeddings` or
 `text_completion` (legacy completions), chosen by the endpoint; tool spans (`tool`, `tool_call`,
@@ -115,7 +121,7 @@ def otlp_parent(span: Span) -> str:
     run id was generated (a one-call run has no agent span)."""
     if span.parent_span_id:
         return span.parent_span_id
-    if _generated(span) or span.trace_id != trace_id_for_run(span.run_id):
+    if _generated(span) or span.trace_id != trace_id_for_run(span.root_run_id or span.run_id):
         return ""
     return agent_span_id(span.run_id)
 
@@ -180,6 +186,9 @@ def span_attributes(span: Span) -> dict[str, str | int | bool | float]:
         "runcap.response_hash": span.response_hash,
     }
     attrs.update({k: v for k, v in optional.items() if v})
+    if span.parent_run_id:  # a sub-agent's step: its place in the tree (a root's adds nothing)
+        attrs["runcap.parent_run_id"] = span.parent_run_id
+        attrs["runcap.root_run_id"] = span.root_run_id
     if span.ttft_ms is not None:
         attrs["runcap.ttft_ms"] = str(span.ttft_ms)
     for key, value in span.attributes.items():
@@ -243,6 +252,9 @@ def agent_attributes(run: RunSnapshot, steps: Sequence[Span]) -> dict[str, str |
         attrs["error.type"] = run.status
     attrs["runcap.run_id"] = run.run_id
     attrs["runcap.kind"] = "run"
+    if run.parent_run_id:
+        attrs["runcap.parent_run_id"] = run.parent_run_id
+        attrs["runcap.root_run_id"] = run.root_run_id
     if task:
         attrs["runcap.task"] = task
     attrs["runcap.run.status"] = run.status
@@ -265,9 +277,12 @@ def agent_span(run: RunSnapshot, steps: Sequence[Span], resource: Resource) -> R
     the ledger (taken as its first request is admitted, a little after that step's span starts:
     the earliest step in the batch when earlier) to that snapshot's update (or the end of its last
     step in the batch, when later)."""
-    trace_id = _hex_id(trace_id_for_run(run.run_id), 32, "trace_id")
-    context = SpanContext(trace_id, _hex_id(agent_span_id(run.run_id), 16, "span_id"), False,
-                          TraceFlags(TraceFlags.SAMPLED))  # fmt: skip
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    trace_id = _hex_id(trace_id_for_run(run.root_run_id or run.run_id), 32, "trace_id")
+    context = SpanContext(trace_id, _hex_id(agent_span_id(run.run_id), 16, "span_id"), False, flags)
+    parent = None
+    if run.parent_run_id:  # a sub-agent: under the invocation of the run that spawned it
+        parent = SpanContext(trace_id, _hex_id(agent_span_id(run.parent_run_id), 16, "parent"), False, flags)
     starts = [to_unix_nanos(s.started_at) for s in steps]
     start = min([to_unix_nanos(run.started_at), *starts])
     ends = [at + round(s.duration_ms * 1_000_000) for at, s in zip(starts, steps, strict=True)]
@@ -278,7 +293,7 @@ def agent_span(run: RunSnapshot, steps: Sequence[Span], resource: Resource) -> R
     return ReadableSpan(
         name=f"invoke_agent {name}" if name else "invoke_agent",
         context=context,
-        parent=None,
+        parent=parent,
         resource=resource,
         attributes=attributes,
         kind=SpanKind.INTERNAL,

@@ -6,7 +6,7 @@ decodes only what each sink needs (`StepRecord`): the ClickHouse lane sends the 
 lines as they are (`JSONCompactEachRow`), the OTLP lane rebuilds `Span`s, the payload lane takes
 the bodies. Body layout (little-endian):
 
-    u8 version (2) | 3 pad | u32 spans | u32 runs | u32 payloads | u32 spans_len | u32 runs_len | u32 meta_len
+    u8 version (3) | 3 pad | u32 spans | u32 runs | u32 payloads | u32 spans_len | u32 runs_len | u32 meta_len
     spans: one JSON array per line: the values of SPAN_FIELDS (the `runcap.spans` columns), in order
     runs:  one JSON array per line: the values of RUN_FIELDS (the `runcap.runs` columns), in order
     meta:  JSON [[sha256, content_type, size], ...]
@@ -17,7 +17,10 @@ faster (bench/span_bench.py). Values are JSON as ClickHouse reads them: datetime
 (`...Z`; a datetime in another zone is converted first — the instant is what counts), decimals as
 fixed-point strings (`"0.001250000"`, exact), maps as objects. No pickle. The field lists are
 those of this version: a change of `Span` or `RunSnapshot` fields is a new VERSION, and a reader
-counts a record of a version it does not know as undecodable and skips it.
+counts a record of a version it does not know as undecodable and skips it. New fields go last,
+so an older version that a WAL may still hold after an upgrade is read by appending them: version
+2 (before run trees) has no `parent_run_id`, `root_run_id` — its rows are roots ('' and their
+own run id), and nothing written before the upgrade is lost.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ import orjson
 
 from proxy.spans.model import Payload, RunSnapshot, Span
 
-VERSION = 2
+VERSION = 3
 SPAN_FIELDS = tuple(f.name for f in fields(Span))
 RUN_FIELDS = tuple(f.name for f in fields(RunSnapshot))
+# Fields that version 2 records lack (the last ones of both lists).
+_TREE_FIELDS = ("parent_run_id", "root_run_id")
+assert SPAN_FIELDS[-2:] == _TREE_FIELDS and RUN_FIELDS[-2:] == _TREE_FIELDS
 _span_values = attrgetter(*SPAN_FIELDS)
 _run_values = attrgetter(*RUN_FIELDS)
 _HEAD = struct.Struct("<B3xIIIIII")
@@ -129,6 +135,18 @@ def json_lines(block: bytes | memoryview) -> list[bytes]:
     return bytes(block).splitlines()
 
 
+def _as_roots(block: bytes | memoryview, width: int) -> bytes:
+    """Version-2 rows (one JSON array per line, without the tree fields) as version-3 rows:
+    each a root — parent '' and root = its own run id (the first value of both field lists)."""
+    lines = []
+    for line in json_lines(block):
+        values = orjson.loads(line)
+        if not isinstance(values, list) or len(values) != width - len(_TREE_FIELDS):
+            raise RecordError(f"a version 2 row of {len(values) if isinstance(values, list) else '?'} values")
+        lines.append(orjson.dumps([*values, "", values[0]], option=orjson.OPT_APPEND_NEWLINE))
+    return b"".join(lines)
+
+
 class StepRecord:
     """One decoded record: views into the buffer it was read from, parsed on demand."""
 
@@ -138,15 +156,18 @@ class StepRecord:
         if len(body) < _HEAD.size:
             raise RecordError(f"record body of {len(body)} bytes is shorter than its header")
         version, n_spans, n_runs, n_payloads, spans_len, runs_len, meta_len = _HEAD.unpack_from(body)
-        if version != VERSION:
-            raise RecordError(f"record version {version} is not one this runcap reads ({VERSION})")
+        if version not in (2, VERSION):
+            raise RecordError(f"record version {version} is not one this runcap reads (2, {VERSION})")
         at = _HEAD.size
         end = at + spans_len + runs_len + meta_len
         if end > len(body):
             raise RecordError("record sections are longer than the record")
         self.n_spans, self.n_runs, self.n_payloads = n_spans, n_runs, n_payloads
-        self.spans_jsonl = body[at : at + spans_len]
-        self.runs_jsonl = body[at + spans_len : at + spans_len + runs_len]
+        self.spans_jsonl: bytes | memoryview = body[at : at + spans_len]
+        self.runs_jsonl: bytes | memoryview = body[at + spans_len : at + spans_len + runs_len]
+        if version == 2:  # written before run trees: rows of roots
+            self.spans_jsonl = _as_roots(self.spans_jsonl, len(SPAN_FIELDS))
+            self.runs_jsonl = _as_roots(self.runs_jsonl, len(RUN_FIELDS))
         self._meta = body[at + spans_len + runs_len : end]
         self._payloads_view = body[end:]
 

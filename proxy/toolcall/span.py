@@ -10,7 +10,7 @@ import time
 
 from proxy.server.metrics import Metrics
 from proxy.server.steps.accesslog import log_tool_call
-from proxy.server.steps.trace import run_snapshot
+from proxy.server.steps.trace import run_snapshot, run_tree
 from proxy.spans.model import Span
 from proxy.spans.recorder import SpanRecorder
 from proxy.toolcall.call import ToolCall
@@ -57,6 +57,7 @@ def record_tool_call(
             request_hash=call.request_hash,
             response_hash=call.response_hash,
             attributes={**call.attributes, "tool.reached": call.reached},
+            **run_tree(call.state),
         )
         # the run's state: its executed tool calls changed
         recorder.step([span], run_snapshot(call.state) if call.state is not None else None, call.bodies)

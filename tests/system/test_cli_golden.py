@@ -272,6 +272,7 @@ COMMANDS: dict[str, list[str]] = {
     **{f"query-{q.name}": ["query", q.name, *(a for p in query_params(q.name) for a in ("--param", p))]
        for q in list_queries()},
     "run": ["run", "ticket-4711"],
+    "run-tree": ["run", "ticket-4711", "--tree"],  # a run without children: one node
     "runs": ["runs", "--since", SINCE],
 }  # fmt: skip
 
@@ -292,7 +293,9 @@ ANSWERS = {
     "query-top_spend": ("key", "cost_usd"),
     "query-unknown_outcomes": ("idempotency_key", "why"),
     "query-unpriced_models": ("model", "calls"),
+    "query-run_tree_cost": ("run_id", "cost_usd", "subtree_usd"),
     "run": ("kind", "outcome", "detail"),
+    "run-tree": ("run_id", "cost_usd", "subtree_usd", "max_usd"),
     "runs": ("run_id", "status", "cost_usd"),
 }
 

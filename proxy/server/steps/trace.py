@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypedDict
 
 from proxy.errors import LedgerUnavailable
 from proxy.hashing import args_hash, canonical_json, result_hash
@@ -73,6 +73,20 @@ def usd(nanos: int) -> Decimal:
     return Decimal(nanos) / NANOS_PER_USD
 
 
+class RunTree(TypedDict, total=False):
+    parent_run_id: str
+    root_run_id: str
+
+
+def run_tree(state: RunState | None) -> RunTree:
+    """A span's run-tree fields (`Span(..., **run_tree(state))`) from its run's state (a root:
+    '' and its own id; no state, a call refused before the ledger saw it: the span's run is
+    taken as its own root)."""
+    if state is None:
+        return {}
+    return {"parent_run_id": state.parent_run_id, "root_run_id": state.root}
+
+
 def run_snapshot(state: RunState) -> RunSnapshot:
     caps = state.caps
     return RunSnapshot(
@@ -91,6 +105,8 @@ def run_snapshot(state: RunState) -> RunSnapshot:
         max_steps=caps.max_steps,
         max_tool_calls=caps.max_tool_calls,
         deadline=None if caps.deadline is None else utc(caps.deadline),
+        parent_run_id=state.parent_run_id,
+        root_run_id=state.root,
     )
 
 
@@ -284,6 +300,7 @@ class TraceStep(FlowStep):
             request_hash=request_body.sha256 if request_body is not None else "",
             response_hash=response_body.sha256 if response_body is not None else "",
             attributes=attributes,
+            **run_tree(state),
         )
         spans = [model_span]
 
@@ -305,6 +322,8 @@ class TraceStep(FlowStep):
                 status_code=flow.status,
                 tool_name=tool,
                 tool_call_id=call_id,
+                parent_run_id=model_span.parent_run_id,
+                root_run_id=model_span.root_run_id,
                 **fields,
             )
 
@@ -383,6 +402,7 @@ class TraceStep(FlowStep):
             error=flow.error[:2000],
             price_known=False,
             attributes=attributes,
+            **run_tree(state),
         )
         self.recorder.step([span], on_done=on_done)
 

@@ -56,10 +56,13 @@ SPAN_CONTRACT = [
     ("request_hash", "String"),
     ("response_hash", "String"),
     ("attributes", "Map(LowCardinality(String), String)"),
+    ("parent_run_id", "String"),
+    ("root_run_id", "String"),
 ]
 RUN_COLUMNS = [
     "run_id", "task", "started_at", "updated_at", "status", "steps", "tool_calls", "input_tokens",
     "output_tokens", "cost_usd", "max_usd", "max_tokens", "max_steps", "max_tool_calls", "deadline",
+    "parent_run_id", "root_run_id",
 ]  # fmt: skip
 
 
@@ -153,12 +156,13 @@ def test_schema_matches_the_contract_and_migrations_are_idempotent(store):
     runs = [row[0] for row in store.sink.query("DESCRIBE TABLE runcap.runs", None)[1]]
     assert spans == SPAN_CONTRACT
     assert runs == RUN_COLUMNS
-    assert store.sink.query("SELECT DISTINCT version FROM runcap.schema_migrations", None)[1] == [[1]]
+    versions = "SELECT DISTINCT version FROM runcap.schema_migrations ORDER BY version"
+    assert store.sink.query(versions, None)[1] == [[1], [2]]
     # A second start-up finds nothing to do and records nothing twice.
     store.sink.close()
     store.sink = store.open()
     assert apply_migrations(store.sink._writer, "runcap") == []
-    assert store.count("SELECT count() FROM runcap.schema_migrations") == 1
+    assert store.count("SELECT count() FROM runcap.schema_migrations") == 2
 
 
 def test_round_trip_with_json_friendly_values(store):
@@ -184,6 +188,54 @@ def test_round_trip_with_json_friendly_values(store):
     ]
     _, run_rows = store.sink.query("SELECT max_usd, max_tokens, deadline FROM runcap.runs", None)
     assert run_rows == [["5.000000000", None, "2026-04-01T00:09:59.123456+00:00"]]
+
+
+def test_tree_columns_round_trip_through_both_inserts(store):
+    """A child's spans and run rows keep their parent and root, through the object insert and
+    the JSON-lines insert the shipper uses; a root's rows carry '' and its own id."""
+    from proxy.spans.records import StepRecord, encode_step
+
+    spans, runs = make_batch(2, run="child-1")
+    for record in (*spans, *runs):
+        record.parent_run_id, record.root_run_id = "planner", "planner"
+    store.sink.write(spans, runs, "batch-1")
+    root_spans, root_runs = make_batch(2, run="planner")
+    record = StepRecord(memoryview(b"".join(encode_step(root_spans, root_runs, []))))
+    store.sink.write_jsonl(bytes(record.spans_jsonl), bytes(record.runs_jsonl), "batch-2")
+    for table in ("spans", "runs"):
+        _, rows = store.sink.query(
+            f"SELECT DISTINCT run_id, parent_run_id, root_run_id FROM runcap.{table} ORDER BY run_id", None
+        )
+        assert rows == [["child-1", "planner", "planner"], ["planner", "", "planner"]], table
+
+
+def test_rows_written_before_run_trees_read_as_roots(tmp_path):
+    """Rows inserted under the first schema only (before migration 0002) read, after it, as
+    roots of their own: root_run_id = run_id, parent_run_id = ''."""
+    import clickhouse_connect
+
+    from proxy.spans.clickhouse import EMBEDDED_SUBDIR
+    from proxy.spans.migrate import load_migrations
+
+    path = tmp_path / "data" / EMBEDDED_SUBDIR
+    path.mkdir(parents=True)
+    old = clickhouse_connect.get_client(interface="chdb", path=str(path))
+    assert apply_migrations(old, "runcap", load_migrations()[:1]) == [1]
+    spans, runs = make_batch(2, run="old-run")
+    span_columns = [c for c, _ in SPAN_CONTRACT if c not in ("parent_run_id", "root_run_id")]
+    old.insert("runcap.spans", [[getattr(s, c) for c in span_columns] for s in spans],
+               column_names=span_columns)  # fmt: skip
+    old.insert("runcap.runs", [[getattr(r, c) for c in RUN_COLUMNS[:-2]] for r in runs],
+               column_names=RUN_COLUMNS[:-2])  # fmt: skip
+    old.close()
+    sink = open_span_store(None, tmp_path / "data")  # applies 0002
+    try:
+        for table in ("spans", "runs"):
+            sql = f"SELECT DISTINCT run_id, parent_run_id, root_run_id FROM runcap.{table}"
+            _, rows = sink.query(sql, None)
+            assert rows == [["old-run", "", "old-run"]], table
+    finally:
+        sink.close()
 
 
 def test_same_batch_twice_adds_no_rows(store):

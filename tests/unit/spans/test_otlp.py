@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status as PbStatus
 
-from proxy.spans.model import RunSnapshot, Span
+from proxy.spans.model import RunSnapshot, Span, trace_id_for_run
 from proxy.spans.otlp import (
     OTLPSink,
     agent_span_id,
@@ -239,6 +239,42 @@ def test_a_run_without_a_run_id_has_no_agent_span(receiver: OTLPReceiver) -> Non
     sink.close()
     (got,) = receiver.spans
     assert got.span_id == one.span_id and got.parent_span_id == ""
+
+
+def test_a_run_tree_is_one_trace_with_each_invoke_agent_under_its_parents(
+    receiver: OTLPReceiver, tmp_path: Path
+) -> None:
+    """planner → researcher → fact-checker, through the WAL and the shipper: one trace (the
+    root's), each sub-agent's `invoke_agent` span the child of its parent's (ids derived from run
+    ids), each run's model and tool spans under its own `invoke_agent`; the children end first,
+    in batches of their own, as a tree's runs do."""
+    tree = [("planner", "", ""), ("researcher", "planner", "planner"), ("checker", "researcher", "planner")]
+    writer = WalWriter(tmp_path)
+    shipper = Shipper(tmp_path, sinks=[OTLPSink(receiver.endpoint)], batch_size=2, flush_interval_s=0.05)
+    steps: dict[str, list[Span]] = {}
+    for run_id, parent, root in reversed(tree):  # the deepest ends first
+        call = model_span(run_id=run_id, parent_run_id=parent, root_run_id=root)
+        tool = Span(run_id=run_id, kind="tool", step=1, started_at=T0, tool_name="search",
+                    parent_run_id=parent, root_run_id=root)  # fmt: skip
+        steps[run_id] = [call, tool]
+        writer.append_step([call, tool], [snapshot("completed", run_id=run_id, parent_run_id=parent,
+                                                   root_run_id=root)])  # fmt: skip
+    shipper.start()
+    got = receiver.wait_for(9)
+    shipper.stop()
+    writer.close()
+    assert {s.trace_id for s in got} == {f"{trace_id_for_run('planner')}"}
+    agents = {s.attributes["runcap.run_id"]: s for s in got if s.name == "invoke_agent triage"}
+    assert agents["planner"].parent_span_id == ""
+    assert agents["researcher"].parent_span_id == agents["planner"].span_id == agent_span_id("planner")
+    assert agents["checker"].parent_span_id == agents["researcher"].span_id == agent_span_id("researcher")
+    assert agents["checker"].attributes["runcap.parent_run_id"] == "researcher"
+    assert agents["checker"].attributes["runcap.root_run_id"] == "planner"
+    assert "runcap.parent_run_id" not in agents["planner"].attributes
+    by_id = {s.span_id: s for s in got}
+    for run_id, run_steps in steps.items():
+        for step in run_steps:
+            assert by_id[step.span_id].parent_span_id == agent_span_id(run_id), (run_id, step.kind)
 
 
 def test_a_caps_change_is_an_internal_span_named_by_its_kind() -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from proxy.spans.clickhouse import open_span_store
@@ -455,3 +457,66 @@ def test_body_bytes_through_the_wal_are_exact(tmp_path: Path) -> None:
     s.stop()
     for body in bodies:
         assert hashlib.sha256(store.get(body.sha256)).hexdigest() == body.sha256
+
+
+# --- record versions ------------------------------------------------------------------------------
+
+
+def version_2_body(spans: Sequence[Span], runs: Sequence[RunSnapshot]) -> list[bytes]:
+    """A record as runcap wrote it before run trees (version 2): the same layout, rows without
+    the last two fields (parent_run_id, root_run_id)."""
+    head, span_lines, run_lines, meta, *_ = encode_step(spans, runs, [])
+    cut = [
+        b"".join(orjson.dumps(orjson.loads(line)[:-2], option=orjson.OPT_APPEND_NEWLINE)
+                 for line in block.splitlines())
+        for block in (span_lines, run_lines)
+    ]  # fmt: skip
+    counts = struct.unpack_from("<B3xIIIIII", head)[1:4]
+    head = struct.pack("<B3xIIIIII", 2, *counts, len(cut[0]), len(cut[1]), len(meta))
+    return [head, cut[0], cut[1], meta]
+
+
+def test_records_written_before_run_trees_ship_as_roots(tmp_path: Path) -> None:
+    """A WAL still holding version-2 records after an upgrade loses none of them: they ship to
+    ClickHouse and to object sinks as roots (root = the run's own id), next to a new record of a
+    child that keeps its parent and root."""
+    wal = tmp_path / "wal"
+    old = version_2_body([make_span(1, run_id="old")], [make_run(1, "old")])
+    child_span = make_span(2, run_id="kid", parent_run_id="old", root_run_id="old")
+    child_run = make_run(2, "kid")
+    child_run.parent_run_id, child_run.root_run_id = "old", "old"
+    new = encode_step([child_span], [child_run], [])
+    w = WalWriter(wal)
+    w.append_step([make_span(0, run_id="first")])
+    w.close()
+    [name] = segments(wal)
+    with open(wal / name, "ab") as fh:
+        for body in (old, new):
+            fh.write(frame_header(body, 0) + b"".join(body))
+    store = open_span_store(None, tmp_path / "data")
+
+    class Store:
+        name = "clickhouse"
+
+        def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
+            store.write_jsonl(spans, runs, batch_id)
+
+        def close(self) -> None:
+            pass
+
+    objects = ListSink("objects")
+    s = shipper(wal, [Store(), objects])
+    s.start()
+    wait_until(lambda: len(objects.spans) == 3 and s.stats()["sinks"]["clickhouse"]["unshipped_bytes"] == 0)
+    stats = s.stats()
+    s.stop()
+    assert stats["sinks"]["clickhouse"]["undecodable"] == 0
+    tree = [(x.run_id, x.parent_run_id, x.root_run_id) for x in objects.spans]
+    assert tree == [("first", "", "first"), ("old", "", "old"), ("kid", "old", "old")]
+    assert [(r.run_id, r.root_run_id) for r in objects.runs] == [("old", "old"), ("kid", "old")]
+    for table in ("spans", "runs"):
+        sql = f"SELECT run_id, parent_run_id, root_run_id FROM runcap.{table} ORDER BY run_id"
+        rows = store.query(sql)[1]
+        expected = [["first", "", "first"]] if table == "spans" else []
+        assert rows == [*expected, ["kid", "old", "old"], ["old", "", "old"]], table
+    store.close()
