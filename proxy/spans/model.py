@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
+from typing import NamedTuple
 
 SPAN_KINDS = ("model", "tool", "tool_call", "tool_result")
 OUTCOMES = (
@@ -54,6 +55,17 @@ def trace_id_for_run(run_id: str) -> str:
     return hashlib.sha256(b"runcap-trace:" + run_id.encode()).hexdigest()[:32]
 
 
+class SpanEvent(NamedTuple):
+    """Something that happened at one moment during a span (an approval asked for or decided, a
+    policy's verdict): exported as an OTLP span event, kept in the `events` column of
+    `runcap.spans`. A tuple, so the WAL line carries it as `[name, at, attributes]` and ClickHouse
+    reads it as its `Tuple(name, at, attributes)` as is."""
+
+    name: str
+    at: datetime  # timezone-aware UTC
+    attributes: dict[str, str]
+
+
 @dataclass(slots=True)
 class Span:
     run_id: str
@@ -87,6 +99,7 @@ class Span:
     request_hash: str = ""
     response_hash: str = ""
     attributes: dict[str, str] = field(default_factory=dict)
+    events: list[SpanEvent] = field(default_factory=list)  # in time order
 
     def __post_init__(self) -> None:
         if not self.trace_id:

@@ -7,7 +7,8 @@ lines as they are (`JSONCompactEachRow`), the OTLP lane rebuilds `Span`s, the pa
 the bodies. Body layout (little-endian):
 
     u8 version (2) | 3 pad | u32 spans | u32 runs | u32 payloads | u32 spans_len | u32 runs_len | u32 meta_len
-    spans: one JSON array per line: the values of SPAN_FIELDS (the `runcap.spans` columns), in order
+    spans: one JSON array per line: the values of SPAN_FIELDS (the `runcap.spans` columns), in order;
+           `events` as an array of `[name, at, attributes]` (a SpanEvent, ClickHouse's Tuple)
     runs:  one JSON array per line: the values of RUN_FIELDS (the `runcap.runs` columns), in order
     meta:  JSON [[sha256, content_type, size], ...]
     the payload bodies, back to back, in meta order
@@ -32,9 +33,9 @@ from typing import Any
 
 import orjson
 
-from proxy.spans.model import Payload, RunSnapshot, Span
+from proxy.spans.model import Payload, RunSnapshot, Span, SpanEvent
 
-VERSION = 2
+VERSION = 3  # 3: spans carry `events`
 SPAN_FIELDS = tuple(f.name for f in fields(Span))
 RUN_FIELDS = tuple(f.name for f in fields(RunSnapshot))
 _span_values = attrgetter(*SPAN_FIELDS)
@@ -48,6 +49,8 @@ class RecordError(ValueError):
 
 
 def _default(value: Any) -> Any:
+    if isinstance(value, SpanEvent):  # a NamedTuple: orjson hands tuple subclasses to us
+        return [value.name, _utc(value.at), value.attributes]
     if isinstance(value, Decimal):
         # fixed point, trailing zeros kept: never "1E-9". `str` is the same string whenever it
         # has no exponent (the usual case: costs of a few cents) and less than half the work.
@@ -118,7 +121,11 @@ def _restore(
 
 
 def span_from_json(line: bytes | memoryview) -> Span:
-    return Span(**_restore(line, SPAN_FIELDS, _SPAN_TYPES))
+    values = _restore(line, SPAN_FIELDS, _SPAN_TYPES)
+    values["events"] = [
+        SpanEvent(name, datetime.fromisoformat(at), attributes) for name, at, attributes in values["events"]
+    ]
+    return Span(**values)
 
 
 def run_from_json(line: bytes | memoryview) -> RunSnapshot:

@@ -57,6 +57,7 @@ def record_tool_call(
             request_hash=call.request_hash,
             response_hash=call.response_hash,
             attributes={**call.attributes, "tool.reached": call.reached},
+            events=call.events,
         )
         # the run's state: its executed tool calls changed
         recorder.step([span], run_snapshot(call.state) if call.state is not None else None, call.bodies)

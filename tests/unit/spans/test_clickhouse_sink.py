@@ -56,6 +56,11 @@ SPAN_CONTRACT = [
     ("request_hash", "String"),
     ("response_hash", "String"),
     ("attributes", "Map(LowCardinality(String), String)"),
+    # an extra column (migration 0004): the span's events
+    (
+        "events",
+        "Array(Tuple(\n    name String,\n    at DateTime64(6, 'UTC'),\n    attributes Map(String, String)))",
+    ),
 ]
 RUN_COLUMNS = [
     "run_id", "task", "started_at", "updated_at", "status", "steps", "tool_calls", "input_tokens",
@@ -153,12 +158,15 @@ def test_schema_matches_the_contract_and_migrations_are_idempotent(store):
     runs = [row[0] for row in store.sink.query("DESCRIBE TABLE runcap.runs", None)[1]]
     assert spans == SPAN_CONTRACT
     assert runs == RUN_COLUMNS
-    assert store.sink.query("SELECT DISTINCT version FROM runcap.schema_migrations", None)[1] == [[1]]
+    versions = store.sink.query(
+        "SELECT DISTINCT version FROM runcap.schema_migrations ORDER BY version", None
+    )
+    assert versions[1] == [[1], [4]]
     # A second start-up finds nothing to do and records nothing twice.
     store.sink.close()
     store.sink = store.open()
     assert apply_migrations(store.sink._writer, "runcap") == []
-    assert store.count("SELECT count() FROM runcap.schema_migrations") == 1
+    assert store.count("SELECT count() FROM runcap.schema_migrations") == 2
 
 
 def test_round_trip_with_json_friendly_values(store):
@@ -184,6 +192,37 @@ def test_round_trip_with_json_friendly_values(store):
     ]
     _, run_rows = store.sink.query("SELECT max_usd, max_tokens, deadline FROM runcap.runs", None)
     assert run_rows == [["5.000000000", None, "2026-04-01T00:09:59.123456+00:00"]]
+
+
+def test_span_events_are_kept_through_both_write_paths(store):
+    """A span's events (a policy's verdict, an approval) land in the `events` column whole, from
+    typed inserts and from the WAL's JSON lines alike; a span without events has an empty array."""
+    from proxy.spans.model import SpanEvent
+    from proxy.spans.records import StepRecord, encode_step
+
+    spans, _ = make_batch(3)
+    spans[1].events = [
+        SpanEvent("policy.decision", T0 + timedelta(microseconds=7), {"effect": "approve", "rule": "0"}),
+        SpanEvent("approval.decided", T0 + timedelta(seconds=3), {"approval.state": "approved"}),
+    ]
+    spans[2].events = [SpanEvent("policy.decision", T0, {"effect": "deny"})]
+    store.sink.write(spans[:2], [], "typed")
+    record = StepRecord(memoryview(b"".join(encode_step(spans[2:], [], []))))
+    store.sink.write_jsonl(bytes(record.spans_jsonl), b"", "jsonl")
+    _, rows = store.sink.query(
+        "SELECT span_id, events.name, events.at, events.attributes FROM runcap.spans ORDER BY started_at",
+        None,
+    )
+    assert rows == [
+        [spans[0].span_id, [], [], []],
+        [
+            spans[1].span_id,
+            ["policy.decision", "approval.decided"],
+            ["2026-03-31T23:59:59.123463+00:00", "2026-04-01T00:00:02.123456+00:00"],
+            [{"effect": "approve", "rule": "0"}, {"approval.state": "approved"}],
+        ],
+        [spans[2].span_id, ["policy.decision"], ["2026-03-31T23:59:59.123456+00:00"], [{"effect": "deny"}]],
+    ]
 
 
 def test_same_batch_twice_adds_no_rows(store):
