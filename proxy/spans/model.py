@@ -35,6 +35,7 @@ RUN_STATUSES = (
     "steps_exceeded",
     "tool_calls_exceeded",
     "cancelled",
+    "repeats_exceeded",
 )
 
 

@@ -67,9 +67,11 @@ _MCP_TRANSPORT = {
 }  # fmt: skip
 _OK_OUTCOMES = ("ok", "replayed")
 # Run statuses that end an agent invocation; the last three are failures (error.type = status).
-# A run stopped at its step or tool-call cap ended with an answer (the answer-only final step).
+# A run stopped at its step, tool-call or repeat cap ended with an answer (the answer-only final
+# step).
 ENDED_STATUSES = (
-    "completed", "steps_exceeded", "tool_calls_exceeded", "budget_exceeded", "deadline_exceeded", "cancelled"
+    "completed", "steps_exceeded", "tool_calls_exceeded", "budget_exceeded", "deadline_exceeded", "cancelled",
+    "repeats_exceeded",
 )  # fmt: skip
 _FAILED_STATUSES = ("budget_exceeded", "deadline_exceeded", "cancelled")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -226,6 +226,13 @@ class TraceStep(FlowStep):
             attributes["clamped_to"] = str(flow.clamped_to)
         if flow.final_step:
             attributes["final_step"] = "true"
+            if state is not None and state.final_reason:
+                attributes["final_step.reason"] = state.final_reason
+                if state.final_reason == "max_repeats":
+                    attributes["repeats.reason"] = state.repeats.stopped
+        if state is not None and state.repeats.stopped and state.repeats.stopped_step == step:
+            # this step's answer showed the loop: the run's next step is answer-only
+            attributes["repeats.stopped"] = state.repeats.stopped
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
         if flow.no_answer:
