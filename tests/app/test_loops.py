@@ -90,7 +90,9 @@ async def test_a_ping_pong_on_anthropic_streams_is_caught_the_same_way(replicas,
     upstream.scripts["pingpong"] = [{"tool_calls": [REFUND]}, {"tool_calls": [LOOKUP]}] * 4
     run = rid("pp")
     h = {"X-Run-Id": run, "X-Run-Max-Repeats": "2", "X-Mock-Script": "pingpong"}
-    clients = [anthropic.AsyncAnthropic(base_url=r.url + "/anthropic", api_key="k", max_retries=0) for r in replicas]
+    clients = [
+        anthropic.AsyncAnthropic(base_url=r.url + "/anthropic", api_key="k", max_retries=0) for r in replicas
+    ]
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "refund order A1"}]
     finals, tools_sent = [], []
     for turn in range(5):
