@@ -151,3 +151,61 @@ async def test_a_run_that_repeats_nothing_is_never_touched(runcap, upstream):  #
     state = await runcap.run(run)
     assert state["status"] == "completed" and state["repeats"]["stopped"] is None
     assert state["repeats"]["calls"] == {}
+
+
+async def test_loops_query_and_timeline_show_where_runcap_stopped_the_run(runcap_factory, upstream):  # type: ignore[no-untyped-def]
+    """queries/loops.sql on the spans of a stuck run, a ping-pong and a run that asked for one
+    call twice (not a loop at min_repeats 3): which tool and arguments, at which step runcap saw
+    it, which step answered without tools, the 402s, the status; `runcap run`'s timeline notes
+    the repeats. Embedded chdb, through /admin/sql."""
+    from proxy.hashing import args_hash, canonical_json
+    from proxy.queryfiles import bind, load_query
+    from proxy.readcli import AdminSqlReader
+    from tests.support.clickhouse import wait_rows
+
+    rc = await runcap_factory({"tracing": True})
+    upstream.scripts["stuck"] = [{"tool_calls": [REFUND]}]
+    upstream.scripts["pingpong"] = [{"tool_calls": [REFUND]}, {"tool_calls": [LOOKUP]}] * 3
+    upstream.scripts["twice"] = [{"tool_calls": [REFUND]}, {"tool_calls": [REFUND]}, {"text": "Done."}]
+    runs = {name: rid(name) for name in ("stuck", "pingpong", "twice")}
+    for name, turns in (("stuck", 4), ("pingpong", 5), ("twice", 3)):
+        h = {"X-Run-Id": runs[name], "X-Run-Max-Repeats": "2", "X-Mock-Script": name}
+        _, msgs = await openai_turns((rc, rc), upstream, name, h, turns)
+    c = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0)
+    h = {"X-Run-Id": runs["pingpong"], "X-Mock-Script": "pingpong"}
+    with pytest.raises(openai.APIStatusError):  # after its answer-only step: refused
+        await c.chat.completions.create(model="gpt-4o-mini", messages=msgs, extra_headers=h)  # type: ignore[arg-type]
+    await wait_rows(rc, "SELECT 1 FROM runcap.spans WHERE kind = 'model'", 4 + 6 + 3)
+
+    reader = AdminSqlReader(rc.url, rc.runtime.config.admin_token)
+
+    def named(name: str, **params: str) -> list[dict[str, Any]]:
+        query = load_query(name)
+        cols, rows = reader.query(query.sql, bind(query, params, reader))
+        return [dict(zip(cols, row, strict=True)) for row in rows]
+
+    import asyncio
+
+    rows = await asyncio.to_thread(named, "loops")
+    refund = args_hash(canonical_json(REFUND["arguments"]))
+    lookup = args_hash(canonical_json(LOOKUP["arguments"]))
+    got = [(r["run_id"], r["tool"], r["args_hash"], r["requests"], r["steps"], r["stopped_step"],
+            r["answer_only_step"], r["refused"], r["status"]) for r in rows]  # fmt: skip
+    assert got == [
+        (runs["stuck"], "refund", refund, 3, [1, 2, 3], 3, 4, 0, "repeats_exceeded"),
+        (runs["pingpong"], "lookup", lookup, 2, [2, 4], 4, 5, 1, "repeats_exceeded"),
+        (runs["pingpong"], "refund", refund, 2, [1, 3], 4, 5, 1, "repeats_exceeded"),
+    ]
+    assert rows[0]["stopped_reason"].startswith("repeat: refund ")
+    assert rows[1]["stopped_reason"].startswith("cycle: refund ")
+    assert await asyncio.to_thread(named, "loops", min_repeats="2") == [
+        *rows, {**(await asyncio.to_thread(named, "loops", run_id=runs["twice"], min_repeats="2"))[0]}
+    ]
+    timeline = await asyncio.to_thread(named, "run_timeline", run_id=runs["stuck"])
+    notes = [(r["step"], r["kind"], r["detail"]) for r in timeline if r["detail"]]
+    assert notes == [
+        (2, "tool_call", "asked 2x"),
+        (3, "model", f"loop: {rows[0]['stopped_reason']} — the next step answers without tools"),
+        (3, "tool_call", "asked 3x"),
+        (4, "model", f"answer-only (X-Run-Max-Repeats): {rows[0]['stopped_reason']}"),
+    ]
