@@ -168,8 +168,10 @@ async def test_loops_query_and_timeline_show_where_runcap_stopped_the_run(runcap
     upstream.scripts["pingpong"] = [{"tool_calls": [REFUND]}, {"tool_calls": [LOOKUP]}] * 3
     upstream.scripts["twice"] = [{"tool_calls": [REFUND]}, {"tool_calls": [REFUND]}, {"text": "Done."}]
     runs = {name: rid(name) for name in ("stuck", "pingpong", "twice")}
-    for name, turns in (("stuck", 4), ("pingpong", 5), ("twice", 3)):
+    for name, turns in (("stuck", 4), ("twice", 3), ("pingpong", 5)):
         h = {"X-Run-Id": runs[name], "X-Run-Max-Repeats": "2", "X-Mock-Script": name}
+        if name == "twice":  # its last step is answer-only too, for another cap
+            h["X-Run-Max-Steps"] = "3"
         _, msgs = await openai_turns((rc, rc), upstream, name, h, turns)
     c = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0)
     h = {"X-Run-Id": runs["pingpong"], "X-Mock-Script": "pingpong"}
@@ -198,9 +200,13 @@ async def test_loops_query_and_timeline_show_where_runcap_stopped_the_run(runcap
     ]
     assert rows[0]["stopped_reason"].startswith("repeat: refund ")
     assert rows[1]["stopped_reason"].startswith("cycle: refund ")
-    assert await asyncio.to_thread(named, "loops", min_repeats="2") == [
-        *rows, {**(await asyncio.to_thread(named, "loops", run_id=runs["twice"], min_repeats="2"))[0]}
-    ]
+    (twice,) = await asyncio.to_thread(named, "loops", run_id=runs["twice"], min_repeats="2")
+    assert (twice["requests"], twice["stopped_step"], twice["answer_only_step"], twice["status"]) == (
+        2, 0, 0, "steps_exceeded"
+    )
+    assert await asyncio.to_thread(named, "loops", min_repeats="2") == [*rows, twice]
+    (hits,) = [r for r in await asyncio.to_thread(named, "cap_hits") if r["cap"] == "repeats_exceeded"]
+    assert (hits["runs_stopped"], hits["refused_calls"], hits["headers"]) == (2, 1, ["X-Run-Max-Repeats"])
     timeline = await asyncio.to_thread(named, "run_timeline", run_id=runs["stuck"])
     notes = [(r["step"], r["kind"], r["detail"]) for r in timeline if r["detail"]]
     assert notes == [
