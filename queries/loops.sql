@@ -15,7 +15,7 @@
 --
 -- @param since        DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR   -- window start (ignored when run_id is set)
 -- @param run_id       String                = ''                         -- one run; '' = every run in the window
--- @param min_repeats  UInt32                = 3                          -- report a call asked for at least this often
+-- @param min_repeats  UInt32                = 2                          -- report a call asked for at least this often
 -- @priority run_id tool requests stopped_step answer_only_step stopped_reason refused status args_hash task steps first_at last_at
 SELECT
     c.run_id AS run_id,

@@ -18,7 +18,9 @@ faster (bench/span_bench.py). Values are JSON as ClickHouse reads them: datetime
 (`...Z`; a datetime in another zone is converted first — the instant is what counts), decimals as
 fixed-point strings (`"0.001250000"`, exact), maps as objects. No pickle. The field lists are
 those of this version: a change of `Span` or `RunSnapshot` fields is a new VERSION, and a reader
-counts a record of a version it does not know as undecodable and skips it.
+counts a record of a version it does not know as undecodable and skips it. Version 2 (spans
+without `events`) is still read: a WAL written before the upgrade ships whole, its span lines
+given an empty `events` as they are read (`StepRecord`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import orjson
 from proxy.spans.model import Payload, RunSnapshot, Span, SpanEvent
 
 VERSION = 3  # 3: spans carry `events`
+_NO_EVENTS_VERSION = 2  # read too: its span lines get `[]` appended
 SPAN_FIELDS = tuple(f.name for f in fields(Span))
 RUN_FIELDS = tuple(f.name for f in fields(RunSnapshot))
 _span_values = attrgetter(*SPAN_FIELDS)
@@ -145,7 +148,7 @@ class StepRecord:
         if len(body) < _HEAD.size:
             raise RecordError(f"record body of {len(body)} bytes is shorter than its header")
         version, n_spans, n_runs, n_payloads, spans_len, runs_len, meta_len = _HEAD.unpack_from(body)
-        if version != VERSION:
+        if version not in (VERSION, _NO_EVENTS_VERSION):
             raise RecordError(f"record version {version} is not one this runcap reads ({VERSION})")
         at = _HEAD.size
         end = at + spans_len + runs_len + meta_len
@@ -153,6 +156,10 @@ class StepRecord:
             raise RecordError("record sections are longer than the record")
         self.n_spans, self.n_runs, self.n_payloads = n_spans, n_runs, n_payloads
         self.spans_jsonl = body[at : at + spans_len]
+        if version == _NO_EVENTS_VERSION and spans_len:
+            # each line is a JSON array ending `]\n`: the same values and an empty `events`
+            lines = bytes(self.spans_jsonl).splitlines()
+            self.spans_jsonl = memoryview(b"".join(line[:-1] + b",[]]\n" for line in lines))
         self.runs_jsonl = body[at + spans_len : at + spans_len + runs_len]
         self._meta = body[at + spans_len + runs_len : end]
         self._payloads_view = body[end:]

@@ -188,7 +188,7 @@ async def test_loops_query_and_timeline_show_where_runcap_stopped_the_run(runcap
 
     import asyncio
 
-    rows = await asyncio.to_thread(named, "loops")
+    rows = await asyncio.to_thread(named, "loops", min_repeats="3")
     refund = args_hash(canonical_json(REFUND["arguments"]))
     lookup = args_hash(canonical_json(LOOKUP["arguments"]))
     got = [(r["run_id"], r["tool"], r["args_hash"], r["requests"], r["steps"], r["stopped_step"],
@@ -204,7 +204,7 @@ async def test_loops_query_and_timeline_show_where_runcap_stopped_the_run(runcap
     assert (twice["requests"], twice["stopped_step"], twice["answer_only_step"], twice["status"]) == (
         2, 0, 0, "steps_exceeded"
     )
-    assert await asyncio.to_thread(named, "loops", min_repeats="2") == [*rows, twice]
+    assert await asyncio.to_thread(named, "loops") == [*rows, twice]  # min_repeats 2 by default
     (hits,) = [r for r in await asyncio.to_thread(named, "cap_hits") if r["cap"] == "repeats_exceeded"]
     assert (hits["runs_stopped"], hits["refused_calls"], hits["headers"]) == (2, 1, ["X-Run-Max-Repeats"])
     timeline = await asyncio.to_thread(named, "run_timeline", run_id=runs["stuck"])

@@ -225,6 +225,25 @@ def test_span_events_are_kept_through_both_write_paths(store):
     ]
 
 
+def test_a_record_written_before_span_events_ships_whole(store):
+    """A WAL record of version 2 (spans without `events`, written by the runcap before the
+    upgrade) is read with empty events, and its JSON lines go into ClickHouse as they are read."""
+    import struct
+
+    from proxy.spans.records import StepRecord, encode_step
+
+    spans, runs = make_batch(2)
+    head, span_lines, run_lines, meta = encode_step(spans, runs, [])
+    old_lines = b"".join(line.removesuffix(b",[]]") + b"]\n" for line in span_lines.splitlines())
+    assert old_lines.count(b"[]") == 0  # what version 2 wrote: one value fewer per span
+    old_head = struct.pack("<B3xIIIIII", 2, 2, 1, 0, len(old_lines), len(run_lines), len(meta))
+    record = StepRecord(memoryview(b"".join([old_head, old_lines, run_lines, meta])))
+    assert [s.events for s in record.spans()] == [[], []]
+    assert [s.span_id for s in record.spans()] == [s.span_id for s in spans]
+    store.sink.write_jsonl(bytes(record.spans_jsonl), bytes(record.runs_jsonl), "old")
+    assert store.count("SELECT count() FROM runcap.spans WHERE empty(events)") == 2
+
+
 def test_same_batch_twice_adds_no_rows(store):
     spans, runs = make_batch(1500)
     store.sink.write(spans, runs, "batch-1")
