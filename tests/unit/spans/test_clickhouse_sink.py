@@ -233,7 +233,7 @@ def test_a_record_written_before_span_events_ships_whole(store):
     from proxy.spans.records import StepRecord, encode_step
 
     spans, runs = make_batch(2)
-    head, span_lines, run_lines, meta = encode_step(spans, runs, [])
+    _, span_lines, run_lines, meta = encode_step(spans, runs, [])
     old_lines = b"".join(line.removesuffix(b",[]]") + b"]\n" for line in span_lines.splitlines())
     assert old_lines.count(b"[]") == 0  # what version 2 wrote: one value fewer per span
     old_head = struct.pack("<B3xIIIIII", 2, 2, 1, 0, len(old_lines), len(run_lines), len(meta))
