@@ -215,3 +215,34 @@ async def test_loops_query_and_timeline_show_where_runcap_stopped_the_run(runcap
         (3, "tool_call", "asked 3x"),
         (4, "model", f"answer-only (X-Run-Max-Repeats): {rows[0]['stopped_reason']}"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("0", "0 would stop a run at its first tool call"), ("two", "is not a whole number"),
+     ("2.5", "is not a whole number"), ("1e3", "is not a whole number")],
+)  # fmt: skip
+async def test_a_bad_repeat_cap_is_a_400_naming_the_header(runcap, upstream, value, said):  # type: ignore[no-untyped-def]
+    c = openai.AsyncOpenAI(base_url=runcap.openai_url, api_key="k", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        await c.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Run-Id": rid("bad"), "X-Run-Max-Repeats": value},
+        )  # fmt: skip
+    assert err(e.value)["param"] == "X-Run-Max-Repeats"
+    assert err(e.value)["message"].startswith("X-Run-Max-Repeats: ") and said in err(e.value)["message"]
+    assert upstream.hits() == 0
+
+
+def test_repeat_settings_default_and_clamp_and_are_checked() -> None:
+    from proxy.caps import parse_run_headers
+    from proxy.config import ConfigError, build_config
+
+    caps = build_config({"caps": {"default_max_repeats": 3, "ceiling_max_repeats": 5}}).caps
+    assert parse_run_headers({"X-Run-Id": "r"}, caps).caps.max_repeats == 3
+    assert parse_run_headers({"X-Run-Id": "r", "X-Run-Max-Repeats": "9"}, caps).caps.max_repeats == 5
+    assert parse_run_headers({"X-Run-Id": "r", "X-Run-Max-Repeats": "2"}, caps).caps.max_repeats == 2
+    for bad in ({"default_max_repeats": 0}, {"ceiling_max_repeats": "3"}):
+        with pytest.raises(ConfigError) as e:
+            build_config({"caps": bad})
+        assert str(e.value).startswith(f"caps.{next(iter(bad))}"), e.value
