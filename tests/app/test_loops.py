@@ -205,6 +205,10 @@ async def test_loops_query_and_timeline_show_where_runcap_stopped_the_run(runcap
         2, 0, 0, "steps_exceeded"
     )
     assert await asyncio.to_thread(named, "loops") == [*rows, twice]  # min_repeats 2 by default
+    stopped = await asyncio.to_thread(named, "runs", status="repeats_exceeded")
+    assert sorted((r["run_id"], r["cap_hit"]) for r in stopped) == sorted(
+        (runs[n], "X-Run-Max-Repeats") for n in ("stuck", "pingpong")
+    )
     (hits,) = [r for r in await asyncio.to_thread(named, "cap_hits") if r["cap"] == "repeats_exceeded"]
     assert (hits["runs_stopped"], hits["refused_calls"], hits["headers"]) == (2, 1, ["X-Run-Max-Repeats"])
     timeline = await asyncio.to_thread(named, "run_timeline", run_id=runs["stuck"])
