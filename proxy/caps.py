@@ -45,6 +45,7 @@ RUN_HEADERS = (
     "X-Run-Context-Policy",
     "X-Run-Operation-Id",
     "X-Run-Client-Token",
+    "X-Run-Max-Repeats",
 )
 _RUN_HEADERS = {name.lower(): name for name in RUN_HEADERS}
 # Headers read once per request that a second copy would silently lose to the first.
@@ -68,6 +69,9 @@ class RunCaps:
     # proxy/server/steps/context.py with each request's own value (header, task, [caps] default and
     # ceiling). A per-step limit, not a budget the run uses up: the ledger does not store it.
     max_context_tokens: int | None = None
+    # `X-Run-Max-Repeats`: identical tool calls / model requests a run may repeat
+    # (proxy/ledger/repeats.py).
+    max_repeats: int | None = None
 
     def lowered_by(self, other: RunCaps) -> RunCaps:
         """The tighter of two sets of caps, cap by cap (None is no cap)."""
@@ -79,6 +83,7 @@ class RunCaps:
             _min(self.deadline, other.deadline),
             None,
             _min(self.max_context_tokens, other.max_context_tokens),
+            _min(self.max_repeats, other.max_repeats),
         )
 
     def resolve_deadline(self, started_at: float) -> RunCaps:
@@ -92,6 +97,7 @@ class RunCaps:
             _min(self.deadline, started_at + self.timeout_s),
             None,
             self.max_context_tokens,
+            self.max_repeats,
         )
 
 
@@ -156,6 +162,13 @@ def parse_run_headers(
     max_steps = _count(headers.get("X-Run-Max-Steps"), "X-Run-Max-Steps")
     max_tool_calls = _count(headers.get("X-Run-Max-Tool-Calls"), "X-Run-Max-Tool-Calls")
     max_context = _count(headers.get("X-Run-Max-Context-Tokens"), "X-Run-Max-Context-Tokens")
+    max_repeats = _count(headers.get("X-Run-Max-Repeats"), "X-Run-Max-Repeats")
+    if max_repeats == 0:
+        raise InvalidRequest(
+            "X-Run-Max-Repeats: 0 would stop a run at its first tool call; send at least 1 (the times "
+            "the same tool call or model request may repeat)",
+            param="X-Run-Max-Repeats",
+        )
     deadline = _deadline(headers.get("X-Run-Deadline"))
     timeout_s = _seconds(headers.get("X-Run-Timeout"), "X-Run-Timeout")
     longest = config.max_run_seconds
@@ -186,6 +199,7 @@ def parse_run_headers(
         max_context_tokens=_apply(
             max_context, config.default_max_context_tokens, config.ceiling_max_context_tokens
         ),
+        max_repeats=_apply(max_repeats, config.default_max_repeats, config.ceiling_max_repeats),
     )
     per_task = config.tasks.get(task) if task else None
     if per_task is not None:
@@ -207,6 +221,7 @@ def parse_run_headers(
                 config.ceiling_max_context_tokens,
                 caps.max_context_tokens,
             ),
+            max_repeats=caps.max_repeats,
         )
 
     operation_id = headers.get("X-Run-Operation-Id")

@@ -9,7 +9,8 @@
 --                  X-Run-Max-Usd), 504 deadline, 410 cancelled — model calls and /tools calls.
 --   runs_refused   distinct runs among them; `headers` the cap headers the 402s named.
 -- cap is the run status: budget_exceeded (X-Run-Max-Usd or X-Run-Max-Tokens — see `headers`),
--- steps_exceeded, tool_calls_exceeded, deadline_exceeded, cancelled.
+-- steps_exceeded, tool_calls_exceeded, repeats_exceeded (X-Run-Max-Repeats: the model repeated
+-- itself; queries/loops.sql says on what), deadline_exceeded, cancelled.
 --
 -- @param since     DateTime64(6, 'UTC')  = now() - INTERVAL 7 DAY   -- window start
 -- @param bucket_s  UInt32                = 3600                      -- bucket width in seconds
@@ -42,7 +43,8 @@ FROM
         ORDER BY run_id, updated_at DESC, steps DESC
         LIMIT 1 BY run_id
     )
-    WHERE status IN ('budget_exceeded', 'steps_exceeded', 'tool_calls_exceeded', 'deadline_exceeded', 'cancelled')
+    WHERE status IN ('budget_exceeded', 'steps_exceeded', 'tool_calls_exceeded', 'repeats_exceeded',
+                     'deadline_exceeded', 'cancelled')
         AND ({task:String} = '' OR task = {task:String})
 
     UNION ALL
@@ -54,6 +56,7 @@ FROM
             status_code = 402 AND header IN ('X-Run-Max-Usd', 'X-Run-Max-Tokens'), 'budget_exceeded',
             status_code = 402 AND header = 'X-Run-Max-Steps', 'steps_exceeded',
             status_code = 402 AND header = 'X-Run-Max-Tool-Calls', 'tool_calls_exceeded',
+            status_code = 402 AND header = 'X-Run-Max-Repeats', 'repeats_exceeded',
             status_code = 402, 'budget_exceeded',
             outcome
         ) AS cap,

@@ -6,7 +6,9 @@
 -- args_hash; for model calls (kind 'model') the request_hash — byte-identical request bodies, i.e.
 -- an agent resending the same request (only when payloads are stored; '' is skipped).
 -- A tool call the model requested and the agent then executed through /tools shows as two rows
--- (kind tool_call and kind tool), each counted on its own.
+-- (kind tool_call and kind tool), each counted on its own. A model that asks for the same call
+-- step after step, however slowly, is a loop rather than a storm: queries/loops.sql (and
+-- X-Run-Max-Repeats, which stops it).
 --
 -- @param since        DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR   -- window start (ignored when run_id is set)
 -- @param run_id       String                = ''                         -- one run; '' = every run in the window

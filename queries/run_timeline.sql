@@ -19,7 +19,11 @@
 --                 output_tokens are the reservation it was charged at rather than the
 --                 provider's report, and the tokens the provider had reported when it was cut
 --                 (attributes usage.input, usage.output, usage.seen_*_tokens);
---   a model call that got no answer: "not a step" (attributes step.counted, upstream.failures).
+--   a model call that got no answer: "not a step" (attributes step.counted, upstream.failures);
+--   X-Run-Max-Repeats: a tool call the model asked for again ("asked 3x"; attributes
+--                 repeats.count), the step whose answer showed the loop ("loop: ...";
+--                 repeats.stopped) and the answer-only step it caused (final_step.reason,
+--                 repeats.reason).
 --
 -- Columns kept first on a narrow terminal (`runcap run` at 80 columns):
 -- @priority step kind tool outcome detail cost_usd status_code context request_hash response_hash input_tokens output_tokens duration_ms started_at model cumulative_usd idempotency_key args_hash result_hash cost_parts
@@ -102,6 +106,12 @@ SELECT
         concat('no answer, not a step',
                if(attributes['upstream.failures'] != '',
                   concat(' (', attributes['upstream.failures'], ' upstream failures in a row)'), '')),
+        attributes['repeats.stopped'] != '',
+        concat('loop: ', attributes['repeats.stopped'], ' — the next step answers without tools'),
+        attributes['final_step.reason'] = 'max_repeats',
+        concat('answer-only (X-Run-Max-Repeats): ', attributes['repeats.reason']),
+        toUInt32OrZero(attributes['repeats.count']) > 1,
+        concat('asked ', attributes['repeats.count'], 'x'),
         ''
     ), substring(error, 1, 200)]), ' · ') AS detail,
     run_id

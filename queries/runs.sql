@@ -1,14 +1,14 @@
 -- runs: What ran recently, and how did each run end? The latest state of each run (runcap.runs,
 -- newest version per run — never a sum over versions), newest first. cap_hit names the cap that
 -- stopped the run as the header that set it — X-Run-Max-Usd, X-Run-Max-Tokens, X-Run-Max-Steps,
--- X-Run-Max-Tool-Calls, X-Run-Deadline — or 'cancel' ('' when none did; for budget_exceeded with
+-- X-Run-Max-Tool-Calls, X-Run-Max-Repeats, X-Run-Deadline — or 'cancel' ('' when none did; for budget_exceeded with
 -- both a dollar and a token cap, the one more used up). Used by `runcap runs`.
 --
 -- @param since   DateTime64(6, 'UTC')  = now() - INTERVAL 24 HOUR   -- runs updated since
 -- @param task    String                = ''                         -- one task; '' = all
 -- @param status  String                = ''                         -- one status; '' = all
 -- @param limit   UInt32                = 50                         -- rows
--- @choices status active completed budget_exceeded deadline_exceeded steps_exceeded tool_calls_exceeded cancelled
+-- @choices status active completed budget_exceeded deadline_exceeded steps_exceeded tool_calls_exceeded repeats_exceeded cancelled
 -- @priority run_id status steps cost_usd cap_hit updated_at task tool_calls max_usd input_tokens output_tokens
 SELECT
     run_id,
@@ -17,6 +17,7 @@ SELECT
     multiIf(
         status = 'steps_exceeded', 'X-Run-Max-Steps',
         status = 'tool_calls_exceeded', 'X-Run-Max-Tool-Calls',
+        status = 'repeats_exceeded', 'X-Run-Max-Repeats',
         status = 'deadline_exceeded', 'X-Run-Deadline',
         status = 'cancelled', 'cancel',
         status != 'budget_exceeded', '',

@@ -285,6 +285,11 @@ class CapsConfig:
         "output) before the run's next call is a 402 `max_upstream_failures`", minimum=1,
         maximum=MAX_UPSTREAM_FAILURES,
     )  # fmt: skip
+    default_max_repeats: int | None = setting(
+        None, "times a run's model may ask for the same tool call (or send the same request) "
+        "before runcap makes it answer (`X-Run-Max-Repeats`)", minimum=1,
+    )  # fmt: skip
+    ceiling_max_repeats: int | None = setting(None, "the highest repeat cap", minimum=1)
     tasks: Mapping[str, TaskCaps] = field(default_factory=dict)  # [tasks."NAME"]
 
 

@@ -24,7 +24,11 @@ Rules (DESIGN.md "Enforcement rules"):
   is replayed; one in flight is waited for while its owner lives and is `unknown` (409 until
   reconciled) once it is dead or the call was cut (`decide_tool_call`);
 * an idempotency record is bound to its operation: a key reused for another operation is refused
-  (422), whatever the record's state (`same_operation`).
+  (422), whatever the record's state (`same_operation`);
+* under `X-Run-Max-Repeats`, settlement counts the tool calls the answer requested and the request
+  body it answered (`RunState.repeats`, proxy/ledger/repeats.py): a run whose model repeats a call
+  or cycles gets an answer-only next step (`final_reason = "max_repeats"`), and a request body
+  answered that many times already is refused (402 `max_repeats`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from proxy.errors import (
     Rejection,
     RunCancelled,
 )
+from proxy.ledger.repeats import Repeats, note_calls, note_request, request_copies
 from proxy.money import format_usd, tokens_affordable, tokens_cost_nanos
 
 # Reservation ids: unique across processes sharing a ledger, without a syscall per call.
@@ -64,8 +69,9 @@ def _new_prefix_after_fork() -> None:
 os.register_at_fork(after_in_child=_new_prefix_after_fork)
 
 TERMINAL_STATUSES = frozenset(
-    {"budget_exceeded", "deadline_exceeded", "steps_exceeded", "tool_calls_exceeded", "cancelled"}
-)
+    {"budget_exceeded", "deadline_exceeded", "steps_exceeded", "tool_calls_exceeded", "cancelled",
+     "repeats_exceeded"}
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -99,6 +105,8 @@ class RunState:
     # ("" for a root: the run is its own root; see `root`).
     parent_run_id: str = ""
     root_run_id: str = ""
+    # What the run repeated, under `X-Run-Max-Repeats` (empty without the cap): bounded windows.
+    repeats: Repeats = field(default_factory=Repeats)
 
     @property
     def root(self) -> str:
@@ -162,6 +170,9 @@ class StepRequest:
     use_tokens: int = 0
     use_usd_nanos: int = 0
     uses_wanted: int | None = None
+    # `repeats.request_fingerprint` of the body the agent sent, when the request carries
+    # `X-Run-Max-Repeats` ('' otherwise: nothing to compare).
+    request_fingerprint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +197,7 @@ class Reservation:
     # none), or None to leave the request as it is; `uses` is what the reservation covers.
     hosted_uses: int | None = None
     uses: int = 0
+    request_fingerprint: str = ""  # the StepRequest's: counted when the call is answered
 
     @property
     def tokens(self) -> int:
@@ -208,6 +220,9 @@ class Settlement:
     # ... because the upstream failed (not because the agent, a cancel or the deadline cut it):
     # counts towards the run's consecutive upstream failures.
     upstream_failed: bool = False
+    # The tool calls the answer requested, in order (`repeats.call_fingerprint`), when the run has
+    # `X-Run-Max-Repeats` (empty otherwise).
+    tool_call_fingerprints: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +410,12 @@ _CAP_STATUSES = {
     "tool_calls_exceeded": ("max_tool_calls",),
     "deadline_exceeded": ("deadline",),
 }
-_FINAL_REASON_CAP = {"max_steps": "max_steps", "max_tool_calls": "max_tool_calls"}
+_FINAL_REASON_CAP = {
+    "max_steps": "max_steps", "max_tool_calls": "max_tool_calls", "max_repeats": "max_repeats"
+}  # fmt: skip
+# The run's status once the answer-only step forced by a cap was answered.
+_FINAL_STATUS = {"max_steps": "steps_exceeded", "max_tool_calls": "tool_calls_exceeded",
+                 "max_repeats": "repeats_exceeded"}  # fmt: skip
 
 
 def apply_caps_change(state: RunState, change: CapsChange, now: float) -> None:
@@ -512,6 +532,17 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
                 f"{_HEADER[cap]}: run {state.run_id} already had its answer-only final step; "
                 "the run is over — start a new run to continue",
             )
+        fingerprint = req.request_fingerprint
+        if caps.max_repeats is not None and fingerprint:
+            copies = request_copies(state.repeats, fingerprint)
+            if copies >= caps.max_repeats:
+                raise BudgetExceeded(
+                    "max_repeats",
+                    f"X-Run-Max-Repeats: run {state.run_id} sent this same model request (byte for "
+                    f"byte) {copies} times already and got an answer each time (the cap is "
+                    f"{caps.max_repeats}); it would get the same answer again. Change the request "
+                    "(add the tool results, a new instruction), or end the run.",
+                )
         if caps.max_steps is not None:
             if state.steps + 1 > caps.max_steps:
                 raise BudgetExceeded(
@@ -527,6 +558,8 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
             and state.tool_calls >= caps.max_tool_calls
         ):
             final_reason = "max_tool_calls"
+        if final_reason is None and caps.max_repeats is not None and state.repeats.stopped:
+            final_reason = "max_repeats"  # the model repeated itself: it answers now
 
     priced = req.input_usd_per_mtok is not None and req.output_usd_per_mtok is not None
     if caps.max_usd_nanos is not None and not priced and not req.allow_unpriced:
@@ -605,6 +638,7 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
         counts_as_step=req.counts_as_step,
         hosted_uses=hosted_uses,
         uses=uses,
+        request_fingerprint=req.request_fingerprint,
     )
 
 
@@ -671,7 +705,8 @@ def _fees_text(req: StepRequest, uses: int) -> str:
     return (" + " + " + ".join(parts)) if parts else ""
 
 
-_HEADER = {"max_steps": "X-Run-Max-Steps", "max_tool_calls": "X-Run-Max-Tool-Calls"}
+_HEADER = {"max_steps": "X-Run-Max-Steps", "max_tool_calls": "X-Run-Max-Tool-Calls",
+           "max_repeats": "X-Run-Max-Repeats"}  # fmt: skip
 
 
 # -- calls with nothing to enforce ---------------------------------------------------------------
@@ -725,6 +760,9 @@ def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, n
             state.upstream_failures += 1
     else:
         state.upstream_failures = 0
+        limit = state.caps.max_repeats
+        if limit is not None:
+            note_repeats(state, reservation, s, limit)
     state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
     if s.run_status:
         _set_status(state, s.run_status)
@@ -732,7 +770,19 @@ def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, n
         state.status = "completed" if s.finished else "active"
     if state.final_reason is not None and reservation.final_step and not s.no_answer:
         # The answer-only step happened: the run ended on the cap that forced it.
-        _set_status(state, "steps_exceeded" if state.final_reason == "max_steps" else "tool_calls_exceeded")
+        _set_status(state, _FINAL_STATUS[state.final_reason])
+
+
+def note_repeats(state: RunState, reservation: Reservation, s: Settlement, limit: int) -> None:
+    """An answered call of a run with `X-Run-Max-Repeats`: count its request body and the tool
+    calls its answer requested (a run that starts repeating gets its answer-only step next:
+    `_reserve`). The window is copied first: the state may be a reservation's snapshot."""
+    repeats = state.repeats.copy()
+    if reservation.request_fingerprint and reservation.counts_as_step:
+        note_request(repeats, reservation.request_fingerprint)
+    if s.tool_call_fingerprints:
+        note_calls(repeats, s.tool_call_fingerprints, limit, reservation.step)
+    state.repeats = repeats
 
 
 def apply_recovery(

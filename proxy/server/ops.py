@@ -54,6 +54,14 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
         "upstream_failures": state.upstream_failures,
         # Input tokens of the run's first answered step: the baseline of X-Run-Context-Growth.
         "context_baseline_tokens": state.context_baseline,
+        # X-Run-Max-Repeats (proxy/ledger/repeats.py): the cap, why runcap stopped the run and at
+        # which step, and the calls requested more than once (of the last 64 distinct ones).
+        "repeats": {
+            "max_repeats": caps.max_repeats,
+            "stopped": state.repeats.stopped or None,
+            "stopped_step": state.repeats.stopped_step or None,
+            "calls": {call: n for call, n in state.repeats.calls.items() if n > 1},
+        },
         "caps": {
             "max_usd": None if caps.max_usd_nanos is None else format_usd(caps.max_usd_nanos),
             "max_tokens": caps.max_tokens,

@@ -83,6 +83,7 @@ SPAN_COLUMNS: tuple[tuple[str, str], ...] = (
     ("request_hash", "String"),
     ("response_hash", "String"),
     ("attributes", "Map(LowCardinality(String), String)"),
+    ("events", "Array(Tuple(name String, at DateTime64(6, 'UTC'), attributes Map(String, String)))"),
     ("parent_run_id", "String"),
     ("root_run_id", "String"),
 )
@@ -207,6 +208,8 @@ class ClickHouseSink:
                             **self._dedup_settings,
                             # RFC 3339 times with a zone (`...Z`)
                             "date_time_input_format": "best_effort",
+                            # span events are `[name, at, attributes]` arrays, not objects
+                            "input_format_json_named_tuples_as_objects": 0,
                             # a batch of a few MB is parsed by several threads, not one
                             "min_chunk_bytes_for_parallel_parsing": 1 << 20,
                         },

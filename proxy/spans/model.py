@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
+from typing import NamedTuple
 
 SPAN_KINDS = ("model", "tool", "tool_call", "tool_result")
 OUTCOMES = (
@@ -34,6 +35,7 @@ RUN_STATUSES = (
     "steps_exceeded",
     "tool_calls_exceeded",
     "cancelled",
+    "repeats_exceeded",
 )
 
 
@@ -53,6 +55,17 @@ def trace_id_for_run(run_id: str) -> str:
     every replica (and every restart) puts a run's spans, and its sub-agents', in the same trace
     without coordination (a run without a parent is its own root: one trace per run)."""
     return hashlib.sha256(b"runcap-trace:" + run_id.encode()).hexdigest()[:32]
+
+
+class SpanEvent(NamedTuple):
+    """Something that happened at one moment during a span (an approval asked for or decided, a
+    policy's verdict): exported as an OTLP span event, kept in the `events` column of
+    `runcap.spans`. A tuple, so the WAL line carries it as `[name, at, attributes]` and ClickHouse
+    reads it as its `Tuple(name, at, attributes)` as is."""
+
+    name: str
+    at: datetime  # timezone-aware UTC
+    attributes: dict[str, str]
 
 
 @dataclass(slots=True)
@@ -88,8 +101,10 @@ class Span:
     request_hash: str = ""
     response_hash: str = ""
     attributes: dict[str, str] = field(default_factory=dict)
+    events: list[SpanEvent] = field(default_factory=list)  # in time order
     # The run tree (issue 22): the run that spawned this span's run ('' for a root) and the tree's
-    # root (a root's own id). Last, so a WAL record of version 2 is read by appending them.
+    # root (a root's own id). Last (after `events`), so a WAL record of version 2 is read by
+    # appending them.
     parent_run_id: str = ""
     root_run_id: str = ""
 

@@ -27,8 +27,15 @@ may be exported later than the child's (the parent ends last): trace backends jo
 Names and attributes (GenAI semconv): model calls are CLIENT spans named `{operation} {model}`
 with `gen_ai.operation.name` = `chat` (chat/completions, responses, messages), `embeddings` or
 `text_completion` (legacy completions), chosen by the endpoint; tool spans (`tool`, `tool_call`,
-`tool_result`) are INTERNAL spans named `execute_tool {tool_name}`; other step events (an
-operator's `caps_change`) are INTERNAL spans named by their kind. Cost follows the open proposal
+`tool_result`) are INTERNAL spans named `execute_tool {gen_ai.tool.name}`, with
+`gen_ai.operation.name = execute_tool`, `gen_ai.tool.name`, `gen_ai.tool.call.id`; other step
+events (an operator's `caps_change`) are INTERNAL spans named by their kind. An MCP call (a span
+with `mcp.method.name`, proxy/mcp/tools_call.py) follows the MCP conventions instead: a CLIENT
+span (runcap is the client of the MCP server) named `{mcp.method.name} {target}` (`tools/call
+refund`), with `mcp.method.name`, `mcp.session.id`, `mcp.protocol.version`, `jsonrpc.request.id`,
+`jsonrpc.protocol.version = "2.0"`, `network.transport = "tcp"`, `network.protocol.name = "http"`
+next to the GenAI `execute_tool` attributes. A span's `events` (a policy's verdict, an approval)
+are exported as OTLP span events: name, time, attributes. Cost follows the open proposal
 (semantic-conventions-genai PR 443, provisional): `gen_ai.usage.cost.amount` (USD, a double),
 `gen_ai.usage.cost.currency = "USD"`, `gen_ai.usage.cost.source = "local"` on model spans with a
 known price. `gen_ai.system` is set next to `gen_ai.provider.name` for collectors that predate the
@@ -45,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -58,13 +65,19 @@ log = logging.getLogger(__name__)
 TOOL_KINDS = ("tool", "tool_call", "tool_result")
 # Span attributes named by the OpenTelemetry MCP conventions: exported under their own names.
 _SEMCONV_ATTRIBUTES = frozenset(
-    {"mcp.method.name", "mcp.session.id", "mcp.protocol.version", "jsonrpc.request.id"}
+    {"mcp.method.name", "mcp.session.id", "mcp.protocol.version", "jsonrpc.request.id", "mcp.resource.uri"}
 )
+# What an MCP span adds under the MCP conventions: JSON-RPC 2.0 over Streamable HTTP.
+_MCP_TRANSPORT = {
+    "jsonrpc.protocol.version": "2.0", "network.transport": "tcp", "network.protocol.name": "http"
+}  # fmt: skip
 _OK_OUTCOMES = ("ok", "replayed")
 # Run statuses that end an agent invocation; the last three are failures (error.type = status).
-# A run stopped at its step or tool-call cap ended with an answer (the answer-only final step).
+# A run stopped at its step, tool-call or repeat cap ended with an answer (the answer-only final
+# step).
 ENDED_STATUSES = (
-    "completed", "steps_exceeded", "tool_calls_exceeded", "budget_exceeded", "deadline_exceeded", "cancelled"
+    "completed", "steps_exceeded", "tool_calls_exceeded", "budget_exceeded", "deadline_exceeded", "cancelled",
+    "repeats_exceeded",
 )  # fmt: skip
 _FAILED_STATUSES = ("budget_exceeded", "deadline_exceeded", "cancelled")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -97,6 +110,9 @@ def operation_for(span: Span) -> str:
 
 
 def span_name(span: Span) -> str:
+    method = span.attributes.get("mcp.method.name")
+    if method:  # MCP conventions: `{mcp.method.name} {target}`, the target being the tool
+        return f"{method} {span.tool_name}" if span.tool_name else method
     operation = operation_for(span)
     if not operation:
         return span.kind
@@ -194,7 +210,24 @@ def span_attributes(span: Span) -> dict[str, str | int | bool | float]:
     for key, value in span.attributes.items():
         name = key if key in _SEMCONV_ATTRIBUTES else f"runcap.attr.{key}"
         attrs.setdefault(name, value)
+    if "mcp.method.name" in span.attributes:
+        for key, value in _MCP_TRANSPORT.items():
+            attrs.setdefault(key, value)
     return attrs
+
+
+def span_kind(span: Span) -> SpanKind:
+    """CLIENT for a call runcap makes (a model call; an MCP request, runcap being the client of
+    the MCP server), INTERNAL otherwise."""
+    client = span.kind == "model" or "mcp.method.name" in span.attributes
+    return SpanKind.CLIENT if client else SpanKind.INTERNAL
+
+
+def span_events(span: Span) -> tuple[Event, ...]:
+    """The span's events as OTLP span events (their attributes under their own names)."""
+    return tuple(
+        Event(event.name, dict(event.attributes), timestamp=to_unix_nanos(event.at)) for event in span.events
+    )
 
 
 def _hex_id(value: str, digits: int, what: str) -> int:
@@ -221,10 +254,11 @@ def to_readable_span(span: Span, resource: Resource) -> ReadableSpan:
         parent=parent,
         resource=resource,
         attributes=span_attributes(span),
-        kind=SpanKind.CLIENT if span.kind == "model" else SpanKind.INTERNAL,
+        kind=span_kind(span),
         status=Status(StatusCode.UNSET) if ok else Status(StatusCode.ERROR, span.error or span.outcome),
         start_time=start,
         end_time=end,
+        events=span_events(span),
         instrumentation_scope=_SCOPE,
     )
 

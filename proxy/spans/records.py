@@ -7,7 +7,8 @@ lines as they are (`JSONCompactEachRow`), the OTLP lane rebuilds `Span`s, the pa
 the bodies. Body layout (little-endian):
 
     u8 version (3) | 3 pad | u32 spans | u32 runs | u32 payloads | u32 spans_len | u32 runs_len | u32 meta_len
-    spans: one JSON array per line: the values of SPAN_FIELDS (the `runcap.spans` columns), in order
+    spans: one JSON array per line: the values of SPAN_FIELDS (the `runcap.spans` columns), in order;
+           `events` as an array of `[name, at, attributes]` (a SpanEvent, ClickHouse's Tuple)
     runs:  one JSON array per line: the values of RUN_FIELDS (the `runcap.runs` columns), in order
     meta:  JSON [[sha256, content_type, size], ...]
     the payload bodies, back to back, in meta order
@@ -19,8 +20,9 @@ fixed-point strings (`"0.001250000"`, exact), maps as objects. No pickle. The fi
 those of this version: a change of `Span` or `RunSnapshot` fields is a new VERSION, and a reader
 counts a record of a version it does not know as undecodable and skips it. New fields go last,
 so an older version that a WAL may still hold after an upgrade is read by appending them: version
-2 (before run trees) has no `parent_run_id`, `root_run_id` — its rows are roots ('' and their
-own run id), and nothing written before the upgrade is lost.
+2 (before span events and run trees) has no `events`, `parent_run_id`, `root_run_id` — its spans
+get no events, its rows are roots ('' and their own run id), and nothing written before the
+upgrade is lost.
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ from typing import Any
 
 import orjson
 
-from proxy.spans.model import Payload, RunSnapshot, Span
+from proxy.spans.model import Payload, RunSnapshot, Span, SpanEvent
 
-VERSION = 3
+VERSION = 3  # 3: spans carry `events`; spans and runs `parent_run_id`, `root_run_id`
+_V2 = 2  # read too: the new fields appended (`_upgraded`)
 SPAN_FIELDS = tuple(f.name for f in fields(Span))
 RUN_FIELDS = tuple(f.name for f in fields(RunSnapshot))
-# Fields that version 2 records lack (the last ones of both lists).
+# Fields that version 2 records lack (the last ones of both lists; spans' `events` before them).
 _TREE_FIELDS = ("parent_run_id", "root_run_id")
-assert SPAN_FIELDS[-2:] == _TREE_FIELDS and RUN_FIELDS[-2:] == _TREE_FIELDS
+assert SPAN_FIELDS[-3:] == ("events", *_TREE_FIELDS) and RUN_FIELDS[-2:] == _TREE_FIELDS
 _span_values = attrgetter(*SPAN_FIELDS)
 _run_values = attrgetter(*RUN_FIELDS)
 _HEAD = struct.Struct("<B3xIIIIII")
@@ -54,6 +57,8 @@ class RecordError(ValueError):
 
 
 def _default(value: Any) -> Any:
+    if isinstance(value, SpanEvent):  # a NamedTuple: orjson hands tuple subclasses to us
+        return [value.name, _utc(value.at), value.attributes]
     if isinstance(value, Decimal):
         # fixed point, trailing zeros kept: never "1E-9". `str` is the same string whenever it
         # has no exponent (the usual case: costs of a few cents) and less than half the work.
@@ -124,7 +129,11 @@ def _restore(
 
 
 def span_from_json(line: bytes | memoryview) -> Span:
-    return Span(**_restore(line, SPAN_FIELDS, _SPAN_TYPES))
+    values = _restore(line, SPAN_FIELDS, _SPAN_TYPES)
+    values["events"] = [
+        SpanEvent(name, datetime.fromisoformat(at), attributes) for name, at, attributes in values["events"]
+    ]
+    return Span(**values)
 
 
 def run_from_json(line: bytes | memoryview) -> RunSnapshot:
@@ -135,15 +144,17 @@ def json_lines(block: bytes | memoryview) -> list[bytes]:
     return bytes(block).splitlines()
 
 
-def _as_roots(block: bytes | memoryview, width: int) -> bytes:
-    """Version-2 rows (one JSON array per line, without the tree fields) as version-3 rows:
-    each a root — parent '' and root = its own run id (the first value of both field lists)."""
+def _upgraded(block: bytes | memoryview, width: int, *, events: bool) -> bytes:
+    """Version-2 rows (one JSON array per line) as version-3 rows: a span gets no `events`, and
+    every row is a root — parent '' and root = its own run id (the first value of both lists)."""
+    missing = len(_TREE_FIELDS) + (1 if events else 0)
     lines = []
     for line in json_lines(block):
         values = orjson.loads(line)
-        if not isinstance(values, list) or len(values) != width - len(_TREE_FIELDS):
+        if not isinstance(values, list) or len(values) != width - missing:
             raise RecordError(f"a version 2 row of {len(values) if isinstance(values, list) else '?'} values")
-        lines.append(orjson.dumps([*values, "", values[0]], option=orjson.OPT_APPEND_NEWLINE))
+        added = [[], "", values[0]] if events else ["", values[0]]
+        lines.append(orjson.dumps([*values, *added], option=orjson.OPT_APPEND_NEWLINE))
     return b"".join(lines)
 
 
@@ -156,8 +167,8 @@ class StepRecord:
         if len(body) < _HEAD.size:
             raise RecordError(f"record body of {len(body)} bytes is shorter than its header")
         version, n_spans, n_runs, n_payloads, spans_len, runs_len, meta_len = _HEAD.unpack_from(body)
-        if version not in (2, VERSION):
-            raise RecordError(f"record version {version} is not one this runcap reads (2, {VERSION})")
+        if version not in (_V2, VERSION):
+            raise RecordError(f"record version {version} is not one this runcap reads ({_V2}, {VERSION})")
         at = _HEAD.size
         end = at + spans_len + runs_len + meta_len
         if end > len(body):
@@ -165,9 +176,9 @@ class StepRecord:
         self.n_spans, self.n_runs, self.n_payloads = n_spans, n_runs, n_payloads
         self.spans_jsonl: bytes | memoryview = body[at : at + spans_len]
         self.runs_jsonl: bytes | memoryview = body[at + spans_len : at + spans_len + runs_len]
-        if version == 2:  # written before run trees: rows of roots
-            self.spans_jsonl = _as_roots(self.spans_jsonl, len(SPAN_FIELDS))
-            self.runs_jsonl = _as_roots(self.runs_jsonl, len(RUN_FIELDS))
+        if version == _V2:  # written before span events and run trees: no events, rows of roots
+            self.spans_jsonl = _upgraded(self.spans_jsonl, len(SPAN_FIELDS), events=True)
+            self.runs_jsonl = _upgraded(self.runs_jsonl, len(RUN_FIELDS), events=False)
         self._meta = body[at + spans_len + runs_len : end]
         self._payloads_view = body[end:]
 

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from proxy.caps import RunRequest
 from proxy.errors import Rejection
 from proxy.ledger.base import RunState
-from proxy.spans.model import Payload
+from proxy.spans.model import Payload, SpanEvent
 from proxy.spans.recorder import SpanRecorder
 
 
@@ -43,6 +43,15 @@ class ToolCall:
     # have, "false" never (refused by runcap, replayed from its record, tool unreachable).
     reached: str = "false"
     attributes: dict[str, str] = field(default_factory=dict)  # the span's, beyond the columns
+    # What happened during the call worth its own time (a policy's verdict, an approval asked for
+    # and decided): the span's events, exported as OTLP span events, in the `events` column.
+    events: list[SpanEvent] = field(default_factory=list)
+
+    def event(self, name: str, **attributes: str) -> SpanEvent:
+        """Record that `name` happened now, with `attributes`; returns the event."""
+        happened = SpanEvent(name, datetime.now(UTC), attributes)
+        self.events.append(happened)
+        return happened
 
     def keep_body(self, recorder: SpanRecorder, data: bytes, *, response: bool, is_error: bool = False,
                   content_type: str = "") -> None:  # fmt: skip

@@ -57,6 +57,7 @@ def record_tool_call(
             request_hash=call.request_hash,
             response_hash=call.response_hash,
             attributes={**call.attributes, "tool.reached": call.reached},
+            events=call.events,
             **run_tree(call.state),
         )
         # the run's state: its executed tool calls changed

@@ -553,7 +553,8 @@ def test_otlp_names_an_mcp_call_by_the_conventions() -> None:
         attributes={"mcp.server": "crm", "mcp.method.name": "tools/call", "jsonrpc.request.id": "7"},
     )  # fmt: skip
     attrs = span_attributes(span)
-    assert span_name(span) == "execute_tool refund"
+    # the MCP conventions' name, `{mcp.method.name} {target}` (it was `execute_tool refund`)
+    assert span_name(span) == "tools/call refund" and attrs["gen_ai.operation.name"] == "execute_tool"
     assert attrs["mcp.method.name"] == "tools/call" and attrs["gen_ai.tool.call.id"] == "call_1"
     assert attrs["jsonrpc.request.id"] == "7" and attrs["runcap.attr.mcp.server"] == "crm"
 

@@ -208,3 +208,28 @@ async def test_runs_export_as_agent_invocations_over_their_steps(  # type: ignor
     )
     assert {r["span_id"] for r in rows} == {s.span_id for s in a} - {agent_a.span_id}
     assert {r["parent_span_id"] for r in rows if r["kind"] in ("model", "tool")} == {""}
+
+
+async def test_an_mcp_call_is_exported_by_the_mcp_conventions(runcap_factory, servers, receiver):  # type: ignore[no-untyped-def]
+    """A `tools/call` through runcap (the official MCP SDK on both sides) arrives as the MCP
+    conventions say: a CLIENT span `tools/call refund` with the session, protocol version and
+    JSON-RPC id of that call, under the run's agent span."""
+    from tests.support.mcp_agent import mcp_config, rid, session
+
+    server = servers("stateful-sse")
+    rc = await runcap_factory({**mcp_config(server), "tracing": True, "otlp_endpoint": receiver.endpoint})
+    run = rid("mcp-otlp")
+    async with session(f"{rc.url}/mcp/crm", run) as s:
+        await s.call_tool("refund", {"order_id": rid("o"), "amount": 3})
+    spans = await wait_spans(
+        receiver, lambda got: any(x.name == "tools/call refund" for x in got), "MCP span"
+    )
+    (call,) = [x for x in of_run(spans, run) if x.attributes.get("runcap.kind") == "tool"]
+    assert call.name == "tools/call refund" and call.kind == PbSpan.SPAN_KIND_CLIENT
+    a = call.attributes
+    assert a["mcp.method.name"] == "tools/call" and a["gen_ai.operation.name"] == "execute_tool"
+    assert a["gen_ai.tool.name"] == "refund" and a["jsonrpc.request.id"].isdigit()
+    assert a["mcp.session.id"] and a["mcp.protocol.version"] >= "2025-06-18"
+    transport = (a["jsonrpc.protocol.version"], a["network.transport"], a["network.protocol.name"])
+    assert transport == ("2.0", "tcp", "http")
+    assert call.parent_span_id == agent_span_id(run) and call.trace_id == trace_id_for_run(run)

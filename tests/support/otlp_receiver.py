@@ -32,6 +32,8 @@ class ReceivedSpan:
     attributes: dict[str, Any]
     resource: dict[str, Any]
     scope: str
+    # the span's events: (name, time_unix_nano, attributes), as sent
+    events: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
 
 
 def _value(v: AnyValue) -> Any:
@@ -117,6 +119,10 @@ class OTLPReceiver:
                             attributes={kv.key: _value(kv.value) for kv in s.attributes},
                             resource=resource,
                             scope=ss.scope.name,
+                            events=[
+                                (e.name, e.time_unix_nano, {kv.key: _value(kv.value) for kv in e.attributes})
+                                for e in s.events
+                            ],
                         )
                     )
         with self._lock:

@@ -284,6 +284,7 @@ ANSWERS = {
     "query-context_growth": ("run_id", "avg_growth_per_step"),
     "query-context_outgrown": ("run_id", "growth"),
     "query-duplicate_side_effects": ("tool_name", "ran", "unknown", "replays", "refused"),
+    "query-loops": ("run_id", "tool", "requests"),
     "query-retry_storms": ("target", "calls"),
     "query-run_cost": ("step", "cost_usd"),
     "query-run_timeline": ("kind", "outcome", "detail"),

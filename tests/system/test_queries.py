@@ -92,7 +92,7 @@ def test_every_query_declares_its_question_and_parameters() -> None:
     assert set(queries) >= {
         "duplicate_side_effects", "run_cost", "top_spend", "cap_hits", "cap_recommendations",
         "slow_tools", "timeouts", "retry_storms", "context_growth", "unknown_outcomes",
-        "unpriced_models", "runs", "run_timeline", "run_tree_cost",
+        "unpriced_models", "runs", "run_timeline", "run_tree_cost", "loops",
     }  # fmt: skip
     for q in queries.values():
         assert q.question.split("?")[0], q.name

@@ -11,6 +11,7 @@ import orjson
 
 from proxy.caps import RunCaps
 from proxy.ledger.base import IdempotencyRecord, RunState
+from proxy.ledger.repeats import Repeats
 
 
 def state_json(s: RunState) -> bytes:
@@ -21,7 +22,7 @@ def state_json(s: RunState) -> bytes:
             c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
             s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
             s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, s.cancelled,
-            s.operator_caps, s.context_baseline, s.upstream_failures,
+            s.operator_caps, s.context_baseline, s.upstream_failures, c.max_repeats, s.repeats.to_json(),
         ]
     )  # fmt: skip
 
@@ -30,13 +31,14 @@ def json_state(raw: bytes | str) -> RunState:
     r = orjson.loads(raw)
     return RunState(
         run_id=r[0], task=r[1], status=r[2], started_at=r[3], updated_at=r[4],
-        caps=RunCaps(r[5], r[6], r[7], r[8], r[9]),
+        caps=RunCaps(r[5], r[6], r[7], r[8], r[9], max_repeats=r[23] if len(r) > 23 else None),
         spent_usd_nanos=r[10], input_tokens=r[11], output_tokens=r[12], steps=r[13],
         tool_calls_requested=r[14], tool_calls_executed=r[15], reserved_usd_nanos=r[16],
         reserved_tokens=r[17], final_reason=r[18], cancelled=r[19],
         operator_caps=r[20] if len(r) > 20 else "",  # written before operator top-ups existed
         context_baseline=r[21] if len(r) > 21 else 0,  # written before context growth existed
         upstream_failures=r[22] if len(r) > 22 else 0,  # written before failures were counted
+        repeats=Repeats.from_json(r[24] if len(r) > 24 else ""),  # written before X-Run-Max-Repeats
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from proxy.caps import RunCaps
 from proxy.ledger.base import IdempotencyRecord, RunState
+from proxy.ledger.repeats import Repeats
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -90,6 +91,8 @@ ADDED_COLUMNS = {
         ("operator_caps", "TEXT NOT NULL DEFAULT ''"),
         ("context_baseline", "INTEGER NOT NULL DEFAULT 0"),
         ("upstream_failures", "INTEGER NOT NULL DEFAULT 0"),
+        ("max_repeats", "INTEGER"),
+        ("repeats", "TEXT NOT NULL DEFAULT ''"),
     ),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
@@ -124,9 +127,9 @@ COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
     "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps, "
-    "context_baseline, upstream_failures"
+    "context_baseline, upstream_failures, max_repeats, repeats"
 )
-UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 23)})"
+UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 25)})"
 
 
 def row_to_state(row: tuple[Any, ...]) -> RunState:
@@ -136,7 +139,7 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         status=row[2],
         started_at=row[3],
         updated_at=row[4],
-        caps=RunCaps(row[5], row[6], row[7], row[8], row[9]),
+        caps=RunCaps(row[5], row[6], row[7], row[8], row[9], max_repeats=row[23]),
         spent_usd_nanos=row[10],
         input_tokens=row[11],
         output_tokens=row[12],
@@ -150,6 +153,7 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         operator_caps=row[20],
         context_baseline=row[21],
         upstream_failures=row[22],
+        repeats=Repeats.from_json(row[24]),
     )
 
 
@@ -160,7 +164,7 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
         c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
-        s.operator_caps, s.context_baseline, s.upstream_failures,
+        s.operator_caps, s.context_baseline, s.upstream_failures, c.max_repeats, s.repeats.to_json(),
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from decimal import Decimal
 from proxy.caps import RunCaps
 from proxy.config import Config
 from proxy.errors import BudgetExceeded, LedgerUnavailable, Rejection
+from proxy.hashing import args_hash
 from proxy.ledger.base import (
     Reservation,
     RunState,
@@ -26,6 +27,7 @@ from proxy.ledger.base import (
     settle_unledgered,
 )
 from proxy.ledger.guarded import GuardedLedger
+from proxy.ledger.repeats import call_fingerprint, request_fingerprint
 from proxy.money import format_usd, usd_to_nanos
 from proxy.pricing import PriceBook, max_output_tokens
 from proxy.providers.base import Usage
@@ -132,6 +134,9 @@ class BudgetStep(FlowStep):
             use_tokens=quote.use_tokens,
             use_usd_nanos=quote.use_usd_nanos,
             uses_wanted=quote.uses_wanted,
+            # Only a request that carries the repeat cap is fingerprinted (a hash of its body):
+            # a run without it pays nothing.
+            request_fingerprint=request_fingerprint(flow.body) if run.caps.max_repeats is not None else "",
         )
         if nothing_to_enforce(run.generated, run.caps) and flow.rewrite is None and not flow.inner:
             # Its own one-step run with no cap: nothing to reserve against, nothing to recover
@@ -316,6 +321,9 @@ class BudgetStep(FlowStep):
         status = {"deadline": "deadline_exceeded", "cancel": "cancelled"}.get(flow.cut_reason or "")
         no_answer, upstream_failed = answer_missing(flow)
         flow.no_answer = no_answer
+        fingerprints: tuple[str, ...] = ()
+        if info is not None and info.tool_calls and res.state.caps.max_repeats is not None:
+            fingerprints = tuple(call_fingerprint(c.name, args_hash(c.arguments)) for c in info.tool_calls)
         return Settlement(
             input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens,
@@ -331,6 +339,7 @@ class BudgetStep(FlowStep):
             context_tokens=flow.context.tokens if flow.context is not None else 0,
             no_answer=no_answer,
             upstream_failed=upstream_failed,
+            tool_call_fingerprints=fingerprints,
         )
 
 
@@ -372,6 +381,8 @@ def run_headers(flow: Flow, state: RunState, now: float) -> dict[str, str]:
         headers["X-Run-Remaining-Ms"] = str(int(remaining["ms"]))
     if flow.final_step:
         headers["X-Run-Final-Step"] = "true"
+        if state.final_reason:  # the cap that forced it: max_steps, max_tool_calls, max_repeats
+            headers["X-Run-Final-Step-Reason"] = state.final_reason
     if flow.clamped_to is not None:
         # Not in DESIGN's list: tells the agent why an answer may stop short ("length").
         headers["X-Run-Clamped-Output-Tokens"] = str(flow.clamped_to)

@@ -38,6 +38,7 @@ from typing import Any, TypedDict
 from proxy.errors import LedgerUnavailable
 from proxy.hashing import args_hash, canonical_json, result_hash
 from proxy.ledger.base import RunState
+from proxy.ledger.repeats import call_fingerprint
 from proxy.money import NANOS_PER_USD
 from proxy.providers.base import ToolCall
 from proxy.server.flow import Flow, FlowStep
@@ -242,6 +243,13 @@ class TraceStep(FlowStep):
             attributes["clamped_to"] = str(flow.clamped_to)
         if flow.final_step:
             attributes["final_step"] = "true"
+            if state is not None and state.final_reason:
+                attributes["final_step.reason"] = state.final_reason
+                if state.final_reason == "max_repeats":
+                    attributes["repeats.reason"] = state.repeats.stopped
+        if state is not None and state.repeats.stopped and state.repeats.stopped_step == step:
+            # this step's answer showed the loop: the run's next step is answer-only
+            attributes["repeats.stopped"] = state.repeats.stopped
         if flow.run.generated:
             attributes["generated_run_id"] = "true"
         if flow.no_answer:
@@ -357,8 +365,15 @@ class TraceStep(FlowStep):
             # X-Run-Max-Tool-Calls; the agent sends no result for them.
             calls: list[tuple[ToolCall, dict[str, str]]] = [(call, {}) for call in resp.tool_calls]
             calls += [(call, {"tool.executed_by": "provider"}) for call in resp.provider_tool_calls]
+            counted = state is not None and state.caps.max_repeats is not None and not flow.no_answer
             for call, extra in calls:
                 digest = args_hash(call.arguments)
+                if counted and "tool.executed_by" not in extra:
+                    # X-Run-Max-Repeats: times the run's model asked for this call (the window's count)
+                    assert state is not None
+                    times = state.repeats.calls.get(call_fingerprint(call.name, digest))
+                    if times is not None:
+                        extra = {"repeats.count": str(times)}
                 spans.append(
                     child(
                         "tool_call",

@@ -58,6 +58,11 @@ SPAN_CONTRACT = [
     ("attributes", "Map(LowCardinality(String), String)"),
     ("parent_run_id", "String"),
     ("root_run_id", "String"),
+    # an extra column (migration 0003): the span's events
+    (
+        "events",
+        "Array(Tuple(\n    name String,\n    at DateTime64(6, 'UTC'),\n    attributes Map(String, String)))",
+    ),
 ]
 RUN_COLUMNS = [
     "run_id", "task", "started_at", "updated_at", "status", "steps", "tool_calls", "input_tokens",
@@ -157,7 +162,7 @@ def test_schema_matches_the_contract_and_migrations_are_idempotent(store):
     assert spans == SPAN_CONTRACT
     assert runs == RUN_COLUMNS
     versions = "SELECT DISTINCT version FROM runcap.schema_migrations ORDER BY version"
-    assert store.sink.query(versions, None)[1] == [[1], [2]]
+    assert store.sink.query(versions, None)[1] == [[1], [2], [3]]
     # A second start-up finds nothing to do and records nothing twice.
     store.sink.close()
     store.sink = store.open()
@@ -236,6 +241,56 @@ def test_rows_written_before_run_trees_read_as_roots(tmp_path):
             assert rows == [["old-run", "", "old-run"]], table
     finally:
         sink.close()
+
+
+def test_span_events_are_kept_through_both_write_paths(store):
+    """A span's events (a policy's verdict, an approval) land in the `events` column whole, from
+    typed inserts and from the WAL's JSON lines alike; a span without events has an empty array."""
+    from proxy.spans.model import SpanEvent
+    from proxy.spans.records import StepRecord, encode_step
+
+    spans, _ = make_batch(3)
+    spans[1].events = [
+        SpanEvent("policy.decision", T0 + timedelta(microseconds=7), {"effect": "approve", "rule": "0"}),
+        SpanEvent("approval.decided", T0 + timedelta(seconds=3), {"approval.state": "approved"}),
+    ]
+    spans[2].events = [SpanEvent("policy.decision", T0, {"effect": "deny"})]
+    store.sink.write(spans[:2], [], "typed")
+    record = StepRecord(memoryview(b"".join(encode_step(spans[2:], [], []))))
+    store.sink.write_jsonl(bytes(record.spans_jsonl), b"", "jsonl")
+    _, rows = store.sink.query(
+        "SELECT span_id, events.name, events.at, events.attributes FROM runcap.spans ORDER BY started_at",
+        None,
+    )
+    assert rows == [
+        [spans[0].span_id, [], [], []],
+        [
+            spans[1].span_id,
+            ["policy.decision", "approval.decided"],
+            ["2026-03-31T23:59:59.123463+00:00", "2026-04-01T00:00:02.123456+00:00"],
+            [{"effect": "approve", "rule": "0"}, {"approval.state": "approved"}],
+        ],
+        [spans[2].span_id, ["policy.decision"], ["2026-03-31T23:59:59.123456+00:00"], [{"effect": "deny"}]],
+    ]
+
+
+def test_a_record_written_before_span_events_ships_whole(store):
+    """A WAL record of version 2 (spans without `events`, written by the runcap before the
+    upgrade) is read with empty events, and its JSON lines go into ClickHouse as they are read."""
+    import struct
+
+    from proxy.spans.records import StepRecord, encode_step
+
+    spans, runs = make_batch(2)
+    _, span_lines, run_lines, meta = encode_step(spans, runs, [])
+    old_lines = b"".join(line.removesuffix(b",[]]") + b"]\n" for line in span_lines.splitlines())
+    assert old_lines.count(b"[]") == 0  # what version 2 wrote: one value fewer per span
+    old_head = struct.pack("<B3xIIIIII", 2, 2, 1, 0, len(old_lines), len(run_lines), len(meta))
+    record = StepRecord(memoryview(b"".join([old_head, old_lines, run_lines, meta])))
+    assert [s.events for s in record.spans()] == [[], []]
+    assert [s.span_id for s in record.spans()] == [s.span_id for s in spans]
+    store.sink.write_jsonl(bytes(record.spans_jsonl), bytes(record.runs_jsonl), "old")
+    assert store.count("SELECT count() FROM runcap.spans WHERE empty(events)") == 2
 
 
 def test_same_batch_twice_adds_no_rows(store):

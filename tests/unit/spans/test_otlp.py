@@ -352,3 +352,46 @@ def test_traces_endpoint_from_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9999/custom")
     assert traces_endpoint() == "http://127.0.0.1:9999/custom"
     assert traces_endpoint("http://127.0.0.1:1/") == "http://127.0.0.1:1/v1/traces"
+
+
+def test_an_mcp_call_follows_the_mcp_conventions_and_carries_its_events(receiver: OTLPReceiver) -> None:
+    """An MCP `tools/call` is a CLIENT span `tools/call {tool}` with the MCP and JSON-RPC
+    attributes next to GenAI's `execute_tool` ones; a `/tools` call stays `execute_tool {tool}`.
+    Each span's events arrive as OTLP span events with their time and attributes."""
+    from proxy.spans.model import SpanEvent
+
+    mcp = Span(
+        run_id="run-42", kind="tool", step=1, started_at=T0, tool_name="refund", tool_call_id="call_1",
+        attributes={"mcp.server": "crm", "mcp.method.name": "tools/call", "jsonrpc.request.id": "7",
+                    "mcp.session.id": "s-1", "mcp.protocol.version": "2025-11-25"},
+        events=[
+            SpanEvent("policy.decision", T0 + timedelta(microseconds=5), {"effect": "approve", "rule": "0"}),
+            SpanEvent("approval.decided", T0 + timedelta(seconds=2), {"approval.state": "approved"}),
+        ],
+    )  # fmt: skip
+    http = Span(run_id="run-42", kind="tool", step=1, started_at=T0, tool_name="refund",
+                tool_call_id="call_2")  # fmt: skip
+    sink = OTLPSink(receiver.endpoint, timeout_s=2)
+    sink.write([mcp, http], [], "batch-1")
+    got = {s.span_id: s for s in receiver.wait_for(2)}
+    sink.close()
+
+    m = got[mcp.span_id]
+    assert m.name == "tools/call refund" and m.kind == PbSpan.SPAN_KIND_CLIENT
+    expected = {
+        "mcp.method.name": "tools/call", "mcp.session.id": "s-1", "mcp.protocol.version": "2025-11-25",
+        "jsonrpc.request.id": "7", "jsonrpc.protocol.version": "2.0", "network.transport": "tcp",
+        "network.protocol.name": "http", "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": "refund", "gen_ai.tool.call.id": "call_1", "runcap.attr.mcp.server": "crm",
+    }  # fmt: skip
+    assert {k: m.attributes.get(k) for k in expected} == expected
+    start = to_unix_nanos(T0)
+    assert m.events == [
+        ("policy.decision", start + 5_000, {"effect": "approve", "rule": "0"}),
+        ("approval.decided", start + 2_000_000_000, {"approval.state": "approved"}),
+    ]
+
+    h = got[http.span_id]
+    assert h.name == "execute_tool refund" and h.kind == PbSpan.SPAN_KIND_INTERNAL
+    assert h.events == [] and "mcp.method.name" not in h.attributes
+    assert "network.transport" not in h.attributes
