@@ -167,7 +167,7 @@ def test_schema_matches_the_contract_and_migrations_are_idempotent(store):
     store.sink.close()
     store.sink = store.open()
     assert apply_migrations(store.sink._writer, "runcap") == []
-    assert store.count("SELECT count() FROM runcap.schema_migrations") == 2
+    assert store.count("SELECT count() FROM runcap.schema_migrations") == 3
 
 
 def test_round_trip_with_json_friendly_values(store):
@@ -227,13 +227,13 @@ def test_rows_written_before_run_trees_read_as_roots(tmp_path):
     old = clickhouse_connect.get_client(interface="chdb", path=str(path))
     assert apply_migrations(old, "runcap", load_migrations()[:1]) == [1]
     spans, runs = make_batch(2, run="old-run")
-    span_columns = [c for c, _ in SPAN_CONTRACT if c not in ("parent_run_id", "root_run_id")]
+    span_columns = [c for c, _ in SPAN_CONTRACT if c not in ("parent_run_id", "root_run_id", "events")]
     old.insert("runcap.spans", [[getattr(s, c) for c in span_columns] for s in spans],
                column_names=span_columns)  # fmt: skip
     old.insert("runcap.runs", [[getattr(r, c) for c in RUN_COLUMNS[:-2]] for r in runs],
                column_names=RUN_COLUMNS[:-2])  # fmt: skip
     old.close()
-    sink = open_span_store(None, tmp_path / "data")  # applies 0002
+    sink = open_span_store(None, tmp_path / "data")  # applies 0002 and 0003
     try:
         for table in ("spans", "runs"):
             sql = f"SELECT DISTINCT run_id, parent_run_id, root_run_id FROM runcap.{table}"
@@ -281,12 +281,19 @@ def test_a_record_written_before_span_events_ships_whole(store):
 
     from proxy.spans.records import StepRecord, encode_step
 
+    import orjson
+
     spans, runs = make_batch(2)
     _, span_lines, run_lines, meta = encode_step(spans, runs, [])
-    old_lines = b"".join(line.removesuffix(b",[]]") + b"]\n" for line in span_lines.splitlines())
-    assert old_lines.count(b"[]") == 0  # what version 2 wrote: one value fewer per span
-    old_head = struct.pack("<B3xIIIIII", 2, 2, 1, 0, len(old_lines), len(run_lines), len(meta))
-    record = StepRecord(memoryview(b"".join([old_head, old_lines, run_lines, meta])))
+    # What version 2 wrote: span rows without events and the run tree, run rows without the tree.
+    old_lines, old_runs = (
+        b"".join(orjson.dumps(orjson.loads(line)[:-drop], option=orjson.OPT_APPEND_NEWLINE)
+                 for line in block.splitlines())
+        for block, drop in ((span_lines, 3), (run_lines, 2))
+    )  # fmt: skip
+    assert old_lines.count(b"[]") == 0
+    old_head = struct.pack("<B3xIIIIII", 2, 2, 1, 0, len(old_lines), len(old_runs), len(meta))
+    record = StepRecord(memoryview(b"".join([old_head, old_lines, old_runs, meta])))
     assert [s.events for s in record.spans()] == [[], []]
     assert [s.span_id for s in record.spans()] == [s.span_id for s in spans]
     store.sink.write_jsonl(bytes(record.spans_jsonl), bytes(record.runs_jsonl), "old")

@@ -463,13 +463,14 @@ def test_body_bytes_through_the_wal_are_exact(tmp_path: Path) -> None:
 
 
 def version_2_body(spans: Sequence[Span], runs: Sequence[RunSnapshot]) -> list[bytes]:
-    """A record as runcap wrote it before run trees (version 2): the same layout, rows without
-    the last two fields (parent_run_id, root_run_id)."""
+    """A record as runcap wrote it before span events and run trees (version 2): the same layout,
+    span rows without their last three fields (events, parent_run_id, root_run_id), run rows
+    without the last two."""
     head, span_lines, run_lines, meta, *_ = encode_step(spans, runs, [])
     cut = [
-        b"".join(orjson.dumps(orjson.loads(line)[:-2], option=orjson.OPT_APPEND_NEWLINE)
+        b"".join(orjson.dumps(orjson.loads(line)[:-drop], option=orjson.OPT_APPEND_NEWLINE)
                  for line in block.splitlines())
-        for block in (span_lines, run_lines)
+        for block, drop in ((span_lines, 3), (run_lines, 2))
     ]  # fmt: skip
     counts = struct.unpack_from("<B3xIIIIII", head)[1:4]
     head = struct.pack("<B3xIIIIII", 2, *counts, len(cut[0]), len(cut[1]), len(meta))
