@@ -71,19 +71,65 @@ class Verdict:
 
 
 class ToolPolicy:
-    """One tool's compiled rules, in order."""
+    """One tool's compiled rules, in order. Evaluated in chunks: each chunk is one CEL program,
+    `(when0) ? 0 : ((when1) ? 1 : ... -1)`, that gives the index of the first of its rules that
+    holds — one call into CEL for up to `CHUNK` rules instead of one per rule (about half the cost
+    of ten rules). The semantics are the rules' one by one: a rule is evaluated only when the ones
+    before it are false, and an error in one (which fails the whole chunk) is told apart by
+    evaluating that chunk's rules one by one (`_diagnose`)."""
+
+    CHUNK = 8  # rules per program; cel-cpp's recursion limit (32) bounds how deep one may nest
 
     def __init__(self, rules: tuple[ToolRule, ...], *, http: bool) -> None:
         self.rules = rules
         self.env = environment(http=http)  # the one the rules were compiled in
         self.needs_state = any(r.needs_state for r in rules)
+        self.chunks: list[tuple[int, int, Any]] = []  # (first rule, rules, program)
+        at = 0
+        while at < len(rules):
+            size = min(self.CHUNK, len(rules) - at)
+            while True:
+                program = self._combined(at, size)
+                if program is not None or size == 1:
+                    break
+                size //= 2  # deep conditions: fewer per program
+            self.chunks.append((at, size, program))
+            at += size
+
+    def _combined(self, at: int, size: int) -> Any:
+        expression = "-1"
+        for index in range(at + size - 1, at - 1, -1):
+            expression = f"({self.rules[index].when}) ? {index} : ({expression})"
+        try:
+            return self.env.compile(expression)
+        except RuntimeError:
+            return None  # past the recursion limit: that rule is evaluated on its own
 
     def decide(self, variables: Mapping[str, Any]) -> Verdict:
         try:
             activation = self.env.Activation(variables)
         except Exception as e:  # arguments CEL cannot hold: nothing can be decided on them
             return Verdict(self.rules[0], f"the arguments cannot be evaluated: {e}")
-        for rule in self.rules:
+        for at, size, program in self.chunks:
+            if program is None:
+                verdict = self._diagnose(activation, at, size)
+            else:
+                try:
+                    value = program.eval(activation).value()
+                except Exception:
+                    value = None
+                if value == -1:
+                    continue
+                if type(value) is int:
+                    return Verdict(self.rules[value])
+                verdict = self._diagnose(activation, at, size)  # an error value: whose?
+            if verdict.rule is not None:
+                return verdict
+        return Verdict(None)
+
+    def _diagnose(self, activation: Any, at: int, size: int) -> Verdict:
+        """The chunk's rules one by one: the first that holds, or the first that fails."""
+        for rule in self.rules[at : at + size]:
             try:
                 value = rule.program.eval(activation).value()
             except Exception as e:
