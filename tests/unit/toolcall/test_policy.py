@@ -72,7 +72,7 @@ def test_deep_rules_get_programs_of_their_own_size() -> None:
     table.append({"name": "small", "when": "args.amount < 10", "effect": "allow"})
     rules = read_rules(table, "w", "t", http=True)
     policy = ToolPolicy(rules, http=True)
-    assert len(policy.chunks) >= 2  # eight did not fit in one program
+    assert len(policy.chunks) >= 2 and policy.chunks[0][1] > 1  # eight did not fit in one, a few did
     assert all(program is not None for _, _, program in policy.chunks)
     assert policy.decide({"args": {"amount": 20}}).rule is rules[0]  # 20 + 190 > 200
     assert policy.decide({"args": {"amount": 5}}).rule is rules[8]
