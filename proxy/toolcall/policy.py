@@ -78,7 +78,7 @@ class ToolPolicy:
     before it are false, and an error in one (which fails the whole chunk) is told apart by
     evaluating that chunk's rules one by one (`_diagnose`)."""
 
-    CHUNK = 8  # rules per program; cel-cpp's recursion limit (32) bounds how deep one may nest
+    CHUNK = 16  # rules per program; cel-cpp's recursion limit (32) bounds how deep one may nest
 
     def __init__(self, rules: tuple[ToolRule, ...], *, http: bool) -> None:
         self.rules = rules
