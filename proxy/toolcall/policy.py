@@ -36,7 +36,8 @@ from proxy.caps import RunCaps, RunRequest
 from proxy.config import Config
 from proxy.config.rules import ToolRule, environment
 from proxy.errors import BudgetExceeded, Rejection
-from proxy.ledger.base import Ledger, ToolCallRequest
+from proxy.hashing import parse_json
+from proxy.ledger.base import Ledger, RunState, ToolCallRequest
 from proxy.server.metrics import Metrics
 from proxy.toolcall.call import ToolCall
 
@@ -141,6 +142,16 @@ class ToolPolicy:
         return Verdict(None)
 
 
+def _state_variables(state: RunState) -> dict[str, Any]:
+    steps = state.steps
+    return {
+        "run.spent_usd": state.spent_usd_nanos / 1e9,
+        "run.steps": steps,
+        "run.step": steps,
+        "run.tool_calls": state.tool_calls,
+    }
+
+
 class Admission:
     """A call the policy let through; `release` gives back what it counted (a cap rule's claim)
     when the ledger then refuses the call, so a call never executed is not counted."""
@@ -201,11 +212,7 @@ class PolicyCheck:
             state = await self.metrics.timed_ledger_op(
                 "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
             )
-            steps = state.steps
-            variables.update(
-                {"run.spent_usd": state.spent_usd_nanos / 1e9, "run.steps": steps, "run.step": steps,
-                 "run.tool_calls": state.tool_calls}
-            )  # fmt: skip
+            variables.update(_state_variables(state))
         verdict = policy.decide(variables)
         rule = verdict.rule
         if rule is None:
@@ -230,8 +237,8 @@ class PolicyCheck:
         return ADMITTED
 
     def _variables(
-        self, policy: ToolPolicy, req: ToolCallRequest, run: RunRequest, args: Any, tool: str, server: str,
-        method: str, path: str,
+        self, policy: ToolPolicy, req: ToolCallRequest | None, run: RunRequest, args: Any, tool: str,
+        server: str, method: str, path: str,
     ) -> dict[str, Any]:  # fmt: skip
         tenant, _, own_id = run.run_id.partition(":") if self.tenants else ("", "", run.run_id)
         variables: dict[str, Any] = {
@@ -246,6 +253,34 @@ class PolicyCheck:
             variables["method"] = method
             variables["path"] = path
         return variables
+
+    def judge_requested(
+        self, name: str, arguments: str, provider: bool, run: RunRequest, state: RunState | None
+    ) -> dict[str, str]:
+        """What the rules would decide on a call the model requested in its answer — recorded on
+        its `tool_call` span (`policy.enforced` = `false`), never enforced there: a function call
+        the agent executes is decided when it comes through `/tools` (same name) or `/mcp`; one
+        the provider executed (`server_label/tool`, rules of `[mcp.server_label.tools.tool]`)
+        has already happened. {} when no configured tool of that name has rules."""
+        server, _, tool = name.partition("/") if provider else ("", "", name)
+        key = f"mcp:{server}/{tool}" if server else name
+        policy = self.policies.get(key)
+        if policy is None or not tool:
+            return {}
+        ok, args = parse_json(arguments)
+        variables = self._variables(policy, None, run, args if ok else {}, tool, server, "POST", "")
+        if policy.needs_state and state is not None:
+            variables.update(_state_variables(state))
+        verdict = policy.decide(variables)
+        out = {"policy.enforced": "false", "policy.rule": "", "policy.effect": "allow"}
+        if verdict.rule is not None:
+            out["policy.rule"] = verdict.rule.name
+            out["policy.effect"] = "deny" if verdict.error else verdict.rule.effect
+            if verdict.error:
+                out["policy.error"] = verdict.error
+            elif verdict.rule.reason:
+                out["policy.reason"] = verdict.rule.reason
+        return out
 
     async def _claim(self, call: ToolCall, req: ToolCallRequest, rule: ToolRule) -> Admission:
         """One of the cap rule's `max_calls`: the call's key in a run of the rule's own."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import mcp_types as types
+import openai
 import pytest
 from mcp.shared.exceptions import MCPError
 
@@ -215,3 +216,56 @@ async def test_mcp_rule_reads_tool_and_server_and_fails_closed(servers, runcap_f
         assert broken.is_error and "rule 'small' could not be evaluated" in broken.content[0].text  # type: ignore[union-attr]
     assert len(executions(server, order_id=order)) == 1
     assert await metric(rc, "mcp:crm/refund", "error") == 1
+
+
+# -- calls the model requests (executed by the agent or the provider, not through runcap) ---------
+
+
+async def test_requested_calls_carry_what_the_rules_would_decide(runcap_factory, upstream, tool):  # type: ignore[no-untyped-def]
+    frozen = [{"name": "frozen", "when": "args.order_id == 'A1'", "effect": "deny", "reason": "A1 is frozen"}]
+    cfg = http_policy(tool, ACCEPTANCE, tracing=True)
+    cfg["mcp"] = {"crm": {"url": "http://127.0.0.1:9/mcp", "tools": {"refund": {"rules": frozen}}}}
+    rc = await runcap_factory(cfg)
+    run = rid("asked")
+    upstream.scripts["ask"] = [{"tool_calls": [
+        {"name": "refund", "arguments": {"order_id": "o-1", "amount": 20, "currency": "USD"}},
+        {"name": "refund", "arguments": {"order_id": "o-2", "amount": 20, "currency": "EUR"}},
+        {"name": "refund", "arguments": {"order_id": "o-3"}},
+        {"name": "lookup", "arguments": {"order_id": "o-1"}},
+    ]}]  # fmt: skip
+    model = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0)
+    headers = {"X-Run-Id": run, "X-Mock-Script": "ask"}
+    functions = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("refund", "lookup")
+    ]
+    await model.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "refund"}], extra_headers=headers,
+        tools=functions,  # type: ignore[arg-type]
+    )  # fmt: skip
+    # The provider runs a hosted MCP tool itself: crm/refund {"order_id": "A1"} (scripted).
+    upstream.scripts["hosted"] = [{"hosted_uses": 1, "use_input_tokens": 50, "text": "done"}]
+    hosted = {"type": "mcp", "server_label": "crm", "server_url": "https://crm.example/mcp"}
+    await model.responses.create(
+        model="gpt-4o-mini", input="go", tools=[hosted], max_tool_calls=1,  # type: ignore[list-item]
+        extra_headers={"X-Run-Id": run, "X-Mock-Script": "hosted"},
+    )  # fmt: skip
+    rows = await wait_rows(
+        rc,
+        "SELECT tool_name, attributes FROM runcap.spans "
+        f"WHERE run_id = '{run}' AND kind = 'tool_call' ORDER BY started_at, tool_call_id",
+        5,
+    )
+    seen = sorted(
+        (r["tool_name"], r["attributes"].get("policy.rule"), r["attributes"].get("policy.effect"),
+         r["attributes"].get("policy.enforced"), bool(r["attributes"].get("policy.error")))
+        for r in rows
+    )  # fmt: skip
+    assert seen == [
+        ("crm/refund", "frozen", "deny", "false", False),  # executed by the provider: on record only
+        ("lookup", None, None, None, False),  # a tool without rules
+        ("refund", "", "allow", "false", False),
+        ("refund", "large", "deny", "false", True),  # no amount: would fail closed
+        ("refund", "non-eur", "deny", "false", False),
+    ]
+    assert tool.executions == 0  # nothing was executed through runcap; no decision was counted
+    assert await metric(rc, "refund", "deny") == 0
