@@ -235,8 +235,9 @@ async def test_requested_calls_carry_what_the_rules_would_decide(runcap_factory,
     ]}]  # fmt: skip
     model = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0)
     headers = {"X-Run-Id": run, "X-Mock-Script": "ask"}
+    schema = {"type": "object"}
     functions = [
-        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("refund", "lookup")
+        {"type": "function", "function": {"name": n, "parameters": schema}} for n in ("refund", "lookup")
     ]
     await model.chat.completions.create(
         model="gpt-4o-mini", messages=[{"role": "user", "content": "refund"}], extra_headers=headers,
