@@ -207,7 +207,7 @@ class PolicyCheck:
         policy = self.policies.get(req.tool)
         if policy is None:
             return ADMITTED
-        variables = self._variables(policy, req, run, args, call.tool, server, method, path)
+        variables = self._variables(run, args, call.tool, server, method, path)
         if policy.needs_state:
             state = await self.metrics.timed_ledger_op(
                 "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
@@ -237,9 +237,9 @@ class PolicyCheck:
         return ADMITTED
 
     def _variables(
-        self, policy: ToolPolicy, req: ToolCallRequest | None, run: RunRequest, args: Any, tool: str,
-        server: str, method: str, path: str,
-    ) -> dict[str, Any]:  # fmt: skip
+        self, run: RunRequest, args: Any, tool: str, server: str, method: str, path: str
+    ) -> dict[str, Any]:
+        """What a rule reads of the call (the run's state is added when a rule reads it)."""
         tenant, _, own_id = run.run_id.partition(":") if self.tenants else ("", "", run.run_id)
         variables: dict[str, Any] = {
             "args": args if isinstance(args, dict) else {},
@@ -268,7 +268,7 @@ class PolicyCheck:
         if policy is None or not tool:
             return {}
         ok, args = parse_json(arguments)
-        variables = self._variables(policy, None, run, args if ok else {}, tool, server, "POST", "")
+        variables = self._variables(run, args if ok else {}, tool, server, "POST", "")
         if policy.needs_state and state is not None:
             variables.update(_state_variables(state))
         verdict = policy.decide(variables)
