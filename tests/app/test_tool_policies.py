@@ -123,6 +123,20 @@ async def test_http_rules_on_method_path_and_the_runs_state(runcap_factory, tool
     assert tool.executions == 5
 
 
+async def test_rules_see_the_tenant_and_the_agents_own_run_id(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    rules = [{"name": "acme-r1", "when": "run.tenant == 'acme' && run.id == 'r1'", "effect": "deny"}]
+    tokens = {"acme": "acme-token-0123456789", "globex": "globex-token-0123456789"}
+    rc = await runcap_factory(http_policy(tool, rules, auth={"client_tokens": tokens}))
+    url, body = f"{rc.url}/tools/refund", {"order_id": "o-1", "amount": 1}
+
+    async def as_(tenant: str, run: str) -> int:
+        return (await call(url, run, body, headers={"X-Run-Client-Token": tokens[tenant]}))[0]
+
+    # The ledger knows acme's run as "acme:r1"; the rule reads the tenant and the id apart.
+    assert [await as_("acme", "r1"), await as_("globex", "r1"), await as_("acme", "r2")] == [403, 200, 200]
+    assert tool.executions == 2
+
+
 async def test_cap_rule_counts_across_two_replicas_on_redis(runcap_factory, tool, redis_server, tmp_path):  # type: ignore[no-untyped-def]
     rules = [
         {"name": "non-eur", "when": "args.currency != 'EUR'", "effect": "deny", "reason": "only EUR"},
