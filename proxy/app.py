@@ -52,6 +52,7 @@ from proxy.server.worker_metrics import WorkerSiblings
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
 from proxy.spans.supervisor import ShipperSupervisor, die_with_parent
+from proxy.toolcall.approval import RefusingGate
 from proxy.toolcall.route import ToolClient
 from proxy.tools.gateway import ToolGateway
 from proxy.upstream_url import UnsafePath, decode_segment, remaining_segments
@@ -143,9 +144,13 @@ def build_app(
     OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder, metrics_guard).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
     tool_client = ToolClient()
-    ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients).add_to(app)
+    # Where a tool call a rule sends to a person waits (toolcall/approval.py): no approval store
+    # yet, so such a call is refused (403 approval_unavailable), never executed.
+    gate = RefusingGate()
+    tools = ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate)
+    tools.add_to(app)
     # /mcp/{name}
-    MCPGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients).add_to(app)
+    MCPGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate).add_to(app)
     tool_client.add_to(app)  # after the gateways: closed after their clean-up
     IdempotencyAdmin(ledger, guard).add_to(app)
     RunCapsAdmin(ledger, guard, config.caps, rt.recorder).add_to(app)
@@ -219,7 +224,9 @@ def build_app(
         # read reserves and counts nothing.
         steps = Pipeline([TenantObjects(ledger), context, budget, MetricsStep(metrics)])
         if config.spans.tracing:
-            steps.append(TraceStep(spans.recorder))
+            # A call the model requests that a tool's rules would deny is on its tool_call span.
+            judge = tools.policy.judge_requested if tools.policy.policies else None
+            steps.append(TraceStep(spans.recorder, judge))
         if config.log_requests:
             steps.append(AccessLogStep())
         rt.forwarder = Forwarder(config, rt.client, steps, rt.flights, metrics)

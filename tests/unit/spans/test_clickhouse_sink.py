@@ -279,9 +279,9 @@ def test_a_record_written_before_span_events_ships_whole(store):
     upgrade) is read with empty events, and its JSON lines go into ClickHouse as they are read."""
     import struct
 
-    from proxy.spans.records import StepRecord, encode_step
-
     import orjson
+
+    from proxy.spans.records import StepRecord, encode_step
 
     spans, runs = make_batch(2)
     _, span_lines, run_lines, meta = encode_step(spans, runs, [])
