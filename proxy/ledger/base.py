@@ -95,6 +95,12 @@ class RunState:
     context_baseline: int = 0
     # Model calls in a row that failed upstream (no answer); 0 after an answered call.
     upstream_failures: int = 0
+    parent_run_id: str = ""
+    root_run_id: str = ""
+
+    @property
+    def root(self) -> str:
+        return self.root_run_id or self.run_id
 
     @property
     def tool_calls(self) -> int:
