@@ -258,7 +258,9 @@ class RedisStore:
         attempt's guess, which the compare-and-set verifies (a stale guess costs one failed write
         and a fresh read; a right one saves a round trip)."""
         hit = self._runs.get(run_id)
-        return (hit[0], json_state(hit[1])) if hit is not None else None
+        if hit is None:
+            return None
+        return hit[0], self._placed(json_state(hit[1]), self._roots.get(run_id, run_id))
 
     async def read_run(
         self, run_id: str, cached: bool = False, *, index: bool = False
@@ -293,7 +295,14 @@ class RedisStore:
             return version, None
         data = as_bytes(s)
         self.remember(run_id, version, data)
-        return version, json_state(data)
+        return version, self._placed(json_state(data), root)
+
+    @staticmethod
+    def _placed(state: RunState, root: str) -> RunState:
+        """The state as read under `root`'s tag: where it was found is its root."""
+        if root != state.run_id and not state.root_run_id:
+            state.root_run_id = root
+        return state
 
     def remember(self, run_id: str, version: str, state_json: bytes) -> None:
         runs = self._runs
@@ -421,7 +430,7 @@ class RedisStore:
             (v, s, p), (st, meta, body) = await pipe.execute()
         return (
             v.decode() if v else "",
-            json_state(s) if s else None,
+            self._placed(json_state(s), root) if s else None,
             json_record(meta, body) if meta else None,
             st.decode() if st else "",
         )
