@@ -5,14 +5,15 @@ cluster promotes its replica.
 
 * `redis_wait_replicas = 1`: every acknowledged reservation and settlement is on the promoted
   replica; calls are refused (`ReplicasBehind`) while the promoted master has no replica, until
-  the killed node, restarted, has rejoined as its replica — no overshoot (acknowledged spend ≤ the cap), no lost settlement (the run's spend is
-  exactly what was acknowledged), books close (nothing left reserved).
+  the killed node, restarted, has rejoined as its replica — no overshoot (acknowledged spend ≤
+  the cap), no lost settlement (the run's spend is exactly what was acknowledged), books close
+  (nothing left reserved).
 * `redis_wait_replicas = 0`: the same load, measured — what the failover lost is printed (the
   README quotes it); the test asserts only that the books are readable and bounded.
 
-The load is bounded in calls; calls that fail while the slot has no master wait for the
-promotion (a signal: `wait_promoted`), and their reservations left in doubt are released after,
-as the guarded ledger's pending writes would.
+The load is bounded in calls; calls that fail while the slot has no (replicated) master wait for
+the cluster to be whole again (a signal: `wait_promoted`, then `wait_ok`), and their
+reservations left in doubt are released after, as the guarded ledger's pending writes would.
 """
 
 from __future__ import annotations
