@@ -167,9 +167,11 @@ class RedisStore:
         self.durability = durability
         self._runs: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         self._roots: OrderedDict[str, str] = OrderedDict()
-        # Roots this owner indexed (`tags:<owner>`, `tags`), and when: re-indexed after a tenth of
-        # the retention (the `tags` score keeps it from being trimmed) or after a sweep took it.
+        # Roots this owner indexed in `tags:<owner>` (before a reservation or a record) and in
+        # `tags` (before a record: listings), and when: again after a tenth of the retention (the
+        # `tags` score keeps a tree from being trimmed) or after a sweep took this owner.
         self._indexed: dict[str, float] = {}
+        self._listed: dict[str, float] = {}
 
     # -- roots and the tag index ----------------------------------------------------------------
 
@@ -204,26 +206,43 @@ class RedisStore:
         await pipe.execute()
         self.learn_root(run_id, root)
 
-    def _needs_index(self, root: str) -> bool:
-        at = self._indexed.get(root)
+    def _stale(self, done: dict[str, float], root: str) -> bool:
+        at = done.get(root)
         return at is None or time.time() - at > self.retention_ms / 10_000
 
-    def _queue_index(self, pipe: Any, root: str) -> None:
-        pipe.sadd(self.keys.owner_tags(self.owner), root)
-        pipe.zadd(self.keys.tags, {root: time.time()})
+    def _needs_index(self, root: str, listed: bool = False) -> bool:
+        return self._stale(self._indexed, root) or (listed and self._stale(self._listed, root))
 
-    async def index(self, root: str) -> None:
-        """`root` in this owner's tag index and the global one, unless done already."""
-        if not self._needs_index(root):
+    def _queue_index(self, pipe: Any, root: str, listed: bool = False) -> None:
+        now = time.time()
+        if self._stale(self._indexed, root):
+            pipe.sadd(self.keys.owner_tags(self.owner), root)
+            self._indexed[root] = now  # (a failed send leaves a tag unwritten: see `index`)
+        if listed and self._stale(self._listed, root):
+            pipe.zadd(self.keys.tags, {root: now})
+            self._listed[root] = now
+
+    async def index(self, root: str, *, listed: bool = False) -> None:
+        """`root` in this owner's tag index (and, `listed`: the global one, for listings of
+        records), unless done already."""
+        if not self._needs_index(root, listed):
             return
         pipe = self.r.pipeline(transaction=False)
-        self._queue_index(pipe, root)
-        await pipe.execute()
-        self._indexed[root] = time.time()
+        self._queue_index(pipe, root, listed)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self.forget_index(root)
+            raise
+
+    def forget_index(self, root: str) -> None:
+        self._indexed.pop(root, None)
+        self._listed.pop(root, None)
 
     def forget_indexed(self) -> None:
         """A sweep took this owner for dead (and may have dropped its tags): index again."""
         self._indexed.clear()
+        self._listed.clear()
 
     async def owner_tags(self, owner: str) -> list[str]:
         return sorted(as_text(t) for t in await self.r.smembers(self.keys.owner_tags(owner)))
@@ -273,22 +292,27 @@ class RedisStore:
             hit = self.cached_run(run_id)
             if hit is not None:
                 if index:
-                    await self.index(hit[1].root)
+                    await self.index(hit[1].root, listed=True)
                 return hit
         root = self._roots.get(run_id, run_id)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hmget(self.keys.run(run_id, root), ["v", "s", "p"])
-        indexing = index and self._needs_index(root)
-        if indexing:
-            self._queue_index(pipe, root)
-        (v, s, p), *_ = await pipe.execute()
-        if indexing:
-            self._indexed[root] = time.time()
+        # The index write rides on the read's round trip (listed too: the run's first tool call
+        # after its first step then needs no round trip of its own).
+        if index and self._needs_index(root, listed=True):
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hmget(self.keys.run(run_id, root), ["v", "s", "p"])
+            self._queue_index(pipe, root, listed=True)
+            try:
+                (v, s, p), *_ = await pipe.execute()
+            except BaseException:
+                self.forget_index(root)
+                raise
+        else:
+            v, s, p = await self.r.hmget(self.keys.run(run_id, root), ["v", "s", "p"])
         if p and not s:  # a child's pointer: its state is under its root's tag
             root = as_text(p)
             self.learn_root(run_id, root)
             if index:
-                await self.index(root)
+                await self.index(root, listed=True)
             v, s, _ = await self.r.hmget(self.keys.run(run_id, root), ["v", "s", "p"])
         version = as_text(v) if v else ""
         if not s:
@@ -348,7 +372,7 @@ class RedisStore:
     ) -> bool:
         """The run and `res` in `res:{<root>}:<owner>` (made at `now`)."""
         k, root, version_after, data = self.keys, state.root, new_version(), state_json(state)
-        await self.index(root)  # (done by the read already, unless the root moved)
+        await self.index(root, listed=True)  # (done by the read already, unless the root moved)
         entry = orjson.dumps([res.run_id, res.usd_nanos, res.input_tokens, res.output_tokens, now])
         ok = await self._script(
             self.scripts.begin_step,
@@ -420,7 +444,15 @@ class RedisStore:
         pipe = self.r.pipeline(transaction=False)
         pipe.hmget(self.keys.run(run_id, root), ["v", "s", "p"])
         pipe.hmget(self._call_key(run_id, key, root), ["st", "m", "b"])
-        (v, s, p), (st, meta, body) = await pipe.execute()
+        indexing = self._needs_index(root, listed=True)  # as `read_run`: before the script
+        if indexing:
+            self._queue_index(pipe, root, listed=True)
+        try:
+            (v, s, p), (st, meta, body), *_ = await pipe.execute()
+        except BaseException:
+            if indexing:
+                self.forget_index(root)
+            raise
         if p and not s:
             root = as_text(p)
             self.learn_root(run_id, root)
@@ -450,7 +482,7 @@ class RedisStore:
         k, run_id, root = self.keys, state.run_id, state.root
         version_after, data = new_version(), state_json(state)
         if written is not None and owner == self.owner:
-            await self.index(root)
+            await self.index(root, listed=True)
         ok = await self.scripts.begin_tool(
             keys=[
                 k.run(run_id, root), self._call_key(run_id, key, root), k.inflight(owner, root),
