@@ -190,6 +190,8 @@ class RedisStore:
         known = self._roots.get(run_id)
         if known is not None:
             return known
+        if run_id in self._runs:  # written or read by this process: a child's root would be known
+            return run_id
         p = await self.r.hget(self.keys.run(run_id), "p")
         root = as_text(p) if p else run_id
         self.learn_root(run_id, root)
@@ -505,7 +507,7 @@ class RedisStore:
     # -- idempotency records --------------------------------------------------------------------
 
     async def get_record(self, run_id: str, key: str) -> IdempotencyRecord | None:
-        root = self._roots.get(run_id)
+        root = self._roots.get(run_id, run_id if run_id in self._runs else None)
         if root is None:  # the pointer and a root's record in one round trip
             pipe = self.r.pipeline(transaction=False)
             pipe.hget(self.keys.run(run_id), "p")
