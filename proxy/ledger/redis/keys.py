@@ -27,7 +27,9 @@ Indexes written outside the scripts (single-key commands, each before the first 
 writes under a tag), read by recovery, sweeps and listings:
 
   tags:<owner>              set   the roots under which `owner` may hold reservations or
-                                  in-flight calls (recovery of a dead owner walks them)
+                                  in-flight calls (recovery of a dead owner walks them, and
+                                  prunes the empty ones); expires a retention after the
+                                  owner's last heartbeat
   tags                      zset  every root with records or reservations, by when a process
                                   last indexed it (listings walk them; trimmed after retention)
   owners                    set   every ledger instance that may own reservations or calls

@@ -62,7 +62,9 @@ class Liveness:
         pipe = self.store.r.pipeline(transaction=False)
         pipe.set(keys.heartbeat(self.owner), os.getpid(), px=self.heartbeat_ttl_ms)
         pipe.sadd(keys.owners, self.owner)
-        _, added = await pipe.execute()
+        # Its tag index lives while it does, and a retention after (what it indexes expires too).
+        pipe.pexpire(keys.owner_tags(self.owner), self.store.retention_ms)
+        _, added, _ = await pipe.execute()
         if added and not first:
             self.store.forget_indexed()
             log.warning(

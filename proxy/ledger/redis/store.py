@@ -73,6 +73,14 @@ async def backoff(attempt: int) -> None:
         raise RuntimeError("redis ledger: too many concurrent updates of one run")
 
 
+def _remember_at(done: dict[str, float], root: str, at: float) -> None:
+    """A bounded memory of indexed roots (a forgotten one is only indexed again)."""
+    done.pop(root, None)
+    done[root] = at
+    if len(done) > ROOT_CACHE:
+        del done[next(iter(done))]
+
+
 class Durability:
     """`WAIT N timeout` after a script, on the connection that sent it (WAIT counts the replicas
     that have this connection's writes): one pipeline of EVALSHA + WAIT, on the single Redis or
@@ -219,10 +227,10 @@ class RedisStore:
         now = time.time()
         if self._stale(self._indexed, root):
             pipe.sadd(self.keys.owner_tags(self.owner), root)
-            self._indexed[root] = now  # (a failed send leaves a tag unwritten: see `index`)
+            _remember_at(self._indexed, root, now)  # (a failed send forgets it: see `index`)
         if listed and self._stale(self._listed, root):
             pipe.zadd(self.keys.tags, {root: now})
-            self._listed[root] = now
+            _remember_at(self._listed, root, now)
 
     async def index(self, root: str, *, listed: bool = False) -> None:
         """`root` in this owner's tag index (and, `listed`: the global one, for listings of
@@ -255,14 +263,18 @@ class RedisStore:
         reservations a sweep kept in `swept:` are looked up by their live owner, who knows the
         root)."""
         k, holds = self.keys, False
-        for root in await self.owner_tags(owner):
+        roots = await self.owner_tags(owner)
+        for i in range(0, len(roots), LIST_BATCH):  # one round trip per batch of trees
+            batch = roots[i : i + LIST_BATCH]
             pipe = self.r.pipeline(transaction=False)
-            for name in (k.reservations(owner, root), k.inflight(owner, root)):
-                pipe.exists(name)
-            if any(await pipe.execute()):
-                holds = True
-            elif prune:
-                await self.r.srem(k.owner_tags(owner), root)
+            for root in batch:
+                pipe.exists(k.reservations(owner, root))
+                pipe.exists(k.inflight(owner, root))
+            found = await pipe.execute()
+            empty = [root for j, root in enumerate(batch) if not (found[2 * j] or found[2 * j + 1])]
+            holds = holds or len(empty) < len(batch)
+            if prune and empty:
+                await self.r.srem(k.owner_tags(owner), *empty)
         return holds
 
     async def _script(self, script: AsyncScript, keys: list[str], args: ScriptArgs) -> object:
