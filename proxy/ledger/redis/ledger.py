@@ -484,8 +484,14 @@ class RedisLedger(base.Ledger):
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        """A write, as readiness needs: Redis may answer PING and still refuse writes."""
-        await self._r.set(self._keys.probe(self.owner), time.time(), px=60_000)
+        """A write, as readiness needs: Redis may answer PING and still refuse writes; with
+        `wait_replicas`, acknowledged by that many replicas (or not ready: every reservation
+        would be refused)."""
+        probe = self._keys.probe(self.owner)
+        if self._store.durability is not None:
+            await self._store.durability.write(probe, "SET", probe, time.time(), "PX", 60_000)
+            return
+        await self._r.set(probe, time.time(), px=60_000)
 
     async def close(self) -> None:
         try:

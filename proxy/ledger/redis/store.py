@@ -112,10 +112,20 @@ class Durability:
         return client
 
     async def run(self, script: AsyncScript, keys: list[str], args: ScriptArgs) -> object:
+        """The script, acknowledged."""
+        return await self._acknowledged(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args), script)
+
+    async def write(self, key: str, *command: str | bytes | int | float) -> object:
+        """One command on `key`, acknowledged (readiness's probe: replicas that keep up)."""
+        return await self._acknowledged(key, command, None)
+
+    async def _acknowledged(
+        self, key: str, command: tuple[str | bytes | int | float, ...], script: AsyncScript | None
+    ) -> object:
         for attempt in range(3):
-            client = self._client_for(keys[0])
+            client = self._client_for(key)
             pipe = client.pipeline(transaction=False)
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command(*command)
             pipe.wait(self.replicas, self.timeout_ms)
             try:
                 result, acked = await pipe.execute(raise_on_error=False)
@@ -124,7 +134,7 @@ class Durability:
                     raise
                 await self._refresh()  # the node died: its replica is (being) promoted
                 continue
-            if isinstance(result, NoScriptError):
+            if isinstance(result, NoScriptError) and script is not None and attempt < 2:
                 await client.script_load(script.script)  # a promoted replica, a restarted node
                 continue
             if isinstance(result, ResponseError) and str(result).startswith(("MOVED", "READONLY")):

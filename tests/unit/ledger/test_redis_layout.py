@@ -211,9 +211,12 @@ async def test_a_reservation_waits_for_its_replica(tmp_path) -> None:  # type: i
         await direct.aclose()
         res = await guarded.begin_step(step("w", RunCaps(max_usd_nanos=USD)))
         assert (await guarded.settle(res, Settlement(cost_usd_nanos=9), time.time())).spent_usd_nanos == 9
+        await led.ping()  # ready: the replica keeps up
         replica.freeze()
         with pytest.raises(ReplicasBehind, match="redis_wait_replicas"):
             await led.begin_step(step("w", RunCaps(max_usd_nanos=USD)))
+        with pytest.raises(ReplicasBehind):  # readiness says so too
+            await led.ping()
         with pytest.raises(LedgerUnavailable) as e:
             await guarded.begin_step(step("w", RunCaps(max_usd_nanos=USD)))
         assert e.value.code == "ledger_replicas_behind" and "redis_wait_replicas" in e.value.message
