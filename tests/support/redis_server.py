@@ -200,6 +200,15 @@ class RedisClusterServers:
     def kill9(self, node: RedisServer) -> None:
         node.kill9()
 
+    def cut_replication(self, master: RedisServer) -> None:
+        """The master drops its replicas' links (`CLIENT KILL TYPE replica`): with the replica
+        frozen, nothing the master acknowledges from now on reaches it (what the kernel had
+        buffered before still does)."""
+        subprocess.run(
+            [self.cli, "-p", str(master.port), "client", "kill", "type", "replica"],
+            check=True, capture_output=True, timeout=10,
+        )  # fmt: skip
+
     def wait_promoted(self, replica: RedisServer, timeout: float = 30.0) -> None:
         """Until `replica` is a master and the cluster is ok again (the dead master's slots served)."""
         deadline = time.monotonic() + timeout

@@ -157,3 +157,79 @@ async def test_without_wait_what_a_failover_loses_is_measured(cluster) -> None: 
         f"(${lost / 1e9:.4f}), reservations left held: {books.reserved / PER_CALL:g}"
     )
     assert 0 <= books.spent <= books.acknowledged + PER_CALL * WORKERS
+
+
+# -- a replica behind when its master dies -----------------------------------------------------
+
+
+@pytest.fixture
+def slow_cluster() -> Iterator[RedisClusterServers]:
+    """A cluster whose nodes are taken for failed after 5 s: a replica frozen for a second is
+    still a valid candidate for promotion, only behind its master."""
+    c = RedisClusterServers(node_timeout_ms=5000).start()
+    yield c
+    c.stop()
+
+
+BEHIND = 5  # calls made while the replica is frozen
+
+
+async def failover_to_a_replica_behind(cluster: RedisClusterServers, wait_replicas: int) -> Books:
+    """10 calls, the replica frozen and its link cut, `BEHIND` more, the master killed, the
+    (stale) replica thawed and promoted: what only the dead master had acknowledged is what a
+    failover loses."""
+    led = RedisLedger(
+        cluster.url, prefix=f"lag{secrets.token_hex(3)}:", cluster=True, wait_replicas=wait_replicas,
+        wait_timeout_s=0.2, op_timeout_s=2.0, heartbeat_ttl_s=60, confirm_dead_s=600,
+    )  # fmt: skip
+    run_id = "behind"
+    master = cluster.master_of(led._k_run(run_id))
+    replica = cluster.replicas_of(master)[0]
+    caps, used = (
+        RunCaps(max_usd_nanos=CAP),
+        Settlement(input_tokens=100, output_tokens=100, cost_usd_nanos=PER_CALL),
+    )
+    acknowledged = errors = 0
+    try:
+        for _ in range(10):
+            await led.settle(await led.begin_step(step(run_id, caps)), used, time.time())
+            acknowledged += PER_CALL
+        replica.freeze()
+        try:
+            cluster.cut_replication(master)  # what follows stays on the master alone
+            for _ in range(BEHIND):
+                try:
+                    res = await led.begin_step(step(run_id, caps))
+                    await led.settle(res, used, time.time())
+                    acknowledged += PER_CALL
+                except RedisError:
+                    errors += 1
+            cluster.kill9(master)
+        finally:
+            replica.thaw()
+        await asyncio.to_thread(cluster.wait_promoted, replica, 60)
+        master.start()  # back, empty, as the promoted master's replica (WAIT needs one)
+        await asyncio.to_thread(cluster.wait_ok)
+        for item in led.drain_in_doubt():  # written on the dead master only, if at all
+            if isinstance(item, Reservation):
+                await led.release_reservation(item)
+        state = await led.get_run(run_id)
+    finally:
+        await led.close()
+    assert state is not None
+    return Books(acknowledged, state.spent_usd_nanos, state.reserved_usd_nanos, errors)
+
+
+async def test_a_replica_behind_promoted_loses_only_what_wait_refused(slow_cluster) -> None:  # type: ignore[no-untyped-def]
+    books = await failover_to_a_replica_behind(slow_cluster, wait_replicas=1)
+    print(f"replica behind, redis_wait_replicas=1: {books}")
+    assert books.errors == BEHIND  # refused (503 ledger_replicas_behind), never forwarded
+    assert books.spent == books.acknowledged == 10 * PER_CALL and books.reserved == 0
+
+
+async def test_a_replica_behind_promoted_loses_what_the_master_alone_acknowledged(slow_cluster) -> None:  # type: ignore[no-untyped-def]
+    books = await failover_to_a_replica_behind(slow_cluster, wait_replicas=0)
+    lost = books.acknowledged - books.spent
+    print(f"replica behind, redis_wait_replicas=0: {books}; settlements lost: {lost // PER_CALL} calls")
+    assert books.errors == 0 and books.acknowledged == (10 + BEHIND) * PER_CALL
+    assert lost == BEHIND * PER_CALL  # acknowledged, then gone with the master: spend under-counted
