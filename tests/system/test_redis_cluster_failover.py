@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from proxy.caps import RunCaps
 from proxy.errors import BudgetExceeded
@@ -99,7 +99,7 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
                 )
                 acknowledged += PER_CALL
                 return
-            except (RedisError, OSError):
+            except (RedisError, RedisClusterException, OSError):
                 assert killed.is_set(), "a ledger error before the failover"
                 await promoted.wait()
 
@@ -110,7 +110,7 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
                 res = await led.begin_step(step(run_id, caps))
             except BudgetExceeded:
                 return
-            except (RedisError, OSError):
+            except (RedisError, RedisClusterException, OSError):
                 errors += 1
                 assert killed.is_set(), "a ledger error before the failover"
                 await promoted.wait()

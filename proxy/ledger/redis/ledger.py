@@ -51,8 +51,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.caps import RunCaps
@@ -455,6 +455,9 @@ class RedisLedger(base.Ledger):
     def failure_code(self, exc: BaseException) -> str | None:
         if isinstance(exc, ReplicasBehind):
             return "ledger_replicas_behind"
+        if isinstance(exc, (RedisClusterException, ClusterDownError)):
+            # No master serves the slot (a failover under way, the cluster's map out of date).
+            return "ledger_unreachable"
         if isinstance(exc, RedisTimeoutError):
             return "ledger_timeout"
         if isinstance(exc, RedisConnectionError):

@@ -250,3 +250,17 @@ def test_cluster_settings_are_validated() -> None:
 def test_a_prefix_may_not_hold_a_hash_tag() -> None:
     with pytest.raises(ValueError, match="prefix"):
         RedisLedger("redis://127.0.0.1:1/0", prefix="{mine}:")
+
+
+def test_a_cluster_without_a_master_for_the_slot_is_an_unavailable_ledger() -> None:
+    """A failover under way: the cluster client's errors are `ledger_unreachable` (a 503 with a
+    retry hint), not a bug's bare 500."""
+    from redis.exceptions import ClusterDownError, SlotNotCoveredError
+
+    led = RedisLedger("redis://127.0.0.1:1/0", prefix="p:")  # never connects
+    assert (
+        led.failure_code(SlotNotCoveredError('Slot "5315" is not covered by the cluster.'))
+        == "ledger_unreachable"
+    )
+    assert led.failure_code(ClusterDownError("CLUSTERDOWN The cluster is down")) == "ledger_unreachable"
+    assert led.failure_code(ReplicasBehind("short")) == "ledger_replicas_behind"
