@@ -128,14 +128,18 @@ class RedisClusterServers:
         return node.url
 
     def start(self) -> RedisClusterServers:
-        for node in self.nodes:
-            node.start()
-        subprocess.run(
-            [self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-             "--cluster-replicas", "1", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        self.wait_ok()
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(
+                [self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", "1", "--cluster-yes"],
+                check=True, capture_output=True, timeout=60,
+            )  # fmt: skip
+            self.wait_ok()
+        except BaseException:
+            self.stop()  # no node left running behind a failed start
+            raise
         return self
 
     def info(self, node: RedisServer, section: str) -> dict[str, str]:
