@@ -5,12 +5,15 @@
    (`begin_tool_call` + `complete_tool_call`), each on a fresh run — p50/p99 of each operation
    and of the pair. SQLite: a file in a temporary directory; Redis: a redis-server on loopback
    started here (no persistence — see README for production settings). Then 4N reserve + settle
-   pairs from 64 concurrent callers: pairs/s and CPU per pair.
+   pairs from 64 concurrent callers: pairs/s and CPU per pair. `--cluster`: the same on a Redis
+   Cluster of real processes on loopback (3 masters + 3 replicas, tests/support/redis_server.py),
+   beside the single Redis.
 2. Tool calls, closed loop: a trivial tool service (bench.loadgen's server) called directly and
    through `runcap serve` (`/tools/echo`, side-effecting, every request a new run and key, so
    each one is recorded in flight, forwarded and completed), with the SQLite and the Redis ledger.
 
-    .venv/bin/python -m bench.ledger_bench [--ops 5000] [--duration 10] [--concurrency 32] [--json F]
+    .venv/bin/python -m bench.ledger_bench [--ops 5000] [--duration 10] [--concurrency 32] [--cluster]
+        [--skip-tools] [--json F]
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ async def bench_concurrent(ledger: Ledger, n: int, concurrency: int) -> dict[str
     return {"pairs_per_s": round(n / wall), "cpu_us_per_pair": round(cpu * 1e6 / n, 1)}
 
 
-def _ledger_part(n: int, redis_url: str) -> dict[str, Any]:
+def _ledger_part(n: int, redis_url: str, cluster_url: str | None = None) -> dict[str, Any]:
     from proxy.ledger.redis import RedisLedger
     from proxy.ledger.sqlite import SQLiteLedger
 
@@ -123,6 +126,15 @@ def _ledger_part(n: int, redis_url: str) -> dict[str, Any]:
             out["redis"]["concurrent c=64 reserve+settle"] = await bench_concurrent(redis, 4 * n, 64)
         finally:
             await redis.close()
+        if cluster_url is None:
+            return
+        cluster = RedisLedger(cluster_url, prefix=f"bench{secrets.token_hex(3)}:", cluster=True)
+        try:
+            out["redis-cluster"] = await bench_ledger(cluster, n)
+            loaded = await bench_concurrent(cluster, 4 * n, 64)
+            out["redis-cluster"]["concurrent c=64 reserve+settle"] = loaded
+        finally:
+            await cluster.close()
 
     try:
         import uvloop
@@ -201,29 +213,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per throughput run (default 10)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--skip-tools", action="store_true", help="ledger latencies only")
+    ap.add_argument("--cluster", action="store_true", help="also on a 3-master Redis Cluster")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from tests.support.redis_server import RedisServer
+    from tests.support.redis_server import RedisClusterServers, RedisServer
 
     tmp = Path(tempfile.mkdtemp(prefix="runcap-lbench-"))
     redis = RedisServer().start()
+    cluster = RedisClusterServers().start() if args.cluster else None
     try:
-        ledgers = _ledger_part(args.ops, redis.url)
+        ledgers = _ledger_part(args.ops, redis.url, cluster.url if cluster is not None else None)
         for backend, ops in ledgers.items():
             for op, v in ops.items():
                 if "pairs_per_s" in v:
                     rate, cpu = v["pairs_per_s"], v["cpu_us_per_pair"]
-                    print(f"{backend:<7} {op}: {rate} pairs/s, {cpu} µs CPU/pair", flush=True)
+                    print(f"{backend:<13} {op}: {rate} pairs/s, {cpu} µs CPU/pair", flush=True)
                     continue
                 print(
-                    f"{backend:<7} {op:<22} p50 {v['p50_ms']:>8.4f} ms   p99 {v['p99_ms']:>8.4f} ms",
+                    f"{backend:<13} {op:<22} p50 {v['p50_ms']:>8.4f} ms   p99 {v['p99_ms']:>8.4f} ms",
                     flush=True,
                 )
         tools = [] if args.skip_tools else _tools_part(args.duration, args.concurrency, redis.url, tmp)
     finally:
         redis.stop()
+        if cluster is not None:
+            cluster.stop()
     if args.json:
         Path(args.json).write_text(json.dumps({"ledger": ledgers, "tools": tools}, indent=2))
     return 0

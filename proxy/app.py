@@ -95,6 +95,8 @@ def open_ledger(config: Config) -> GuardedLedger:
             heartbeat_s=settings.redis_heartbeat_s,
             heartbeat_ttl_s=settings.redis_heartbeat_ttl_s,
             op_timeout_s=settings.ledger_timeout_s,
+            cluster=settings.redis_cluster,
+            wait_replicas=settings.redis_wait_replicas,
         )
     else:
         backend = SQLiteLedger(

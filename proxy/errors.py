@@ -182,7 +182,8 @@ class LedgerUnavailable(Rejection):
     """The run ledger could not be asked in time: unreachable, timed out, or its disk full. The
     call was not forwarded (a call is never forwarded unmetered), so retrying later is safe and
     may succeed: the one rejection that tells the SDKs to retry (`x-should-retry: true` and
-    `retry-after`). `code` says why: ledger_timeout, ledger_unreachable, ledger_disk_full or
+    `retry-after`). `code` says why: ledger_timeout, ledger_unreachable, ledger_disk_full,
+    ledger_replicas_behind (fewer Redis replicas than `redis_wait_replicas` acknowledged) or
     ledger_error; `backend` names the ledger (`sqlite` / `redis`)."""
 
     status = 503

@@ -197,6 +197,18 @@ def redis_server():  # type: ignore[no-untyped-def]
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster():  # type: ignore[no-untyped-def]
+    """One real Redis Cluster for the session (3 masters, 1 replica each: 6 redis-server
+    processes on loopback); tests isolate themselves by key prefix. A test that kills a node
+    starts a cluster of its own."""
+    from tests.support.redis_server import RedisClusterServers
+
+    cluster = RedisClusterServers().start()
+    yield cluster
+    cluster.stop()
+
+
 # -- skips: every one printed at the end; under CI a missing part fails (tests/support/parts.py) --
 
 

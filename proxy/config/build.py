@@ -154,6 +154,20 @@ def _ledger(raw: Mapping[str, Any], env: Mapping[str, str]) -> sections.LedgerSe
             f"redis_heartbeat_ttl_s: {ledger.redis_heartbeat_ttl_s:g} s must be longer than "
             f"redis_heartbeat_s = {ledger.redis_heartbeat_s:g} s (several beats per time to live)"
         )
+    if not ledger.redis_url:
+        for name, value in (
+            ("redis_cluster", ledger.redis_cluster),
+            ("redis_wait_replicas", ledger.redis_wait_replicas),
+        ):
+            if value:
+                raise ConfigError(
+                    f"{name}: set for the Redis ledger, but `redis_url` is not set (SQLite in data_dir)"
+                )
+    elif ledger.redis_cluster and ledger.redis_url.startswith("unix:"):
+        raise ConfigError(
+            "redis_cluster: a Redis Cluster is reached over TCP; `redis_url` must be redis:// or rediss:// "
+            "(any node of the cluster)"
+        )
     return ledger
 
 

@@ -118,6 +118,9 @@ def read_section(
     return values
 
 
+_ENV_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def _default(f: Field[Any]) -> Any:
     if f.default is not MISSING:
         return f.default
@@ -130,6 +133,8 @@ def parse_value(s: Setting, hint: Any, value: Any, name: str) -> Any:
     if s.usd:
         parsed: Any = usd_to_nanos(parse_decimal(s, value, name))
     elif kind is bool:
+        if isinstance(value, str) and name == s.env:  # RUNCAP_X=1 / true / 0 / false
+            value = _ENV_BOOLS.get(value.strip().lower(), value)
         if not isinstance(value, bool):
             raise ConfigError(f"{name}: expected true or false, got {value!r}")
         parsed = value

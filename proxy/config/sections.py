@@ -111,6 +111,15 @@ class LedgerSettings:
         10.0, "Redis ledger: a heartbeat's time to live (longer than `redis_heartbeat_s`)", above=0,
         maximum=_DAY_S, unit="seconds",
     )  # fmt: skip
+    redis_cluster: bool = setting(
+        False, "Redis ledger: `redis_url` names a node of a Redis Cluster (README: Redis Cluster)",
+        env="RUNCAP_REDIS_CLUSTER",
+    )  # fmt: skip
+    redis_wait_replicas: int = setting(
+        0, "Redis ledger: a reservation or settlement is acknowledged only once this many replicas "
+        "have it (`WAIT`); fewer within half of `ledger_timeout_s`: 503 `ledger_unavailable`",
+        maximum=64,
+    )  # fmt: skip
 
 
 PAYLOAD_MODES = ("off", "errors", "all")

@@ -67,6 +67,7 @@ _WHY = {
     "ledger_timeout": "did not answer within {timeout:g} s",
     "ledger_unreachable": "is unreachable",
     "ledger_disk_full": "cannot write: its disk is full",
+    "ledger_replicas_behind": "did not replicate the write to `redis_wait_replicas` replicas in time",
     "ledger_error": "failed",
 }
 

@@ -344,6 +344,22 @@ async def test_cancel_on_one_replica_aborts_calls_on_another(
     assert via and all('"via": "pubsub"' in m for m in via), via
 
 
+async def test_cancel_on_one_replica_aborts_calls_on_another_on_a_redis_cluster(
+    runcap_factory, tool, upstream, redis_cluster, tmp_path, caplog
+):  # type: ignore[no-untyped-def]
+    """The same on a 3-master Redis Cluster: the cancel travels by sharded pub/sub."""
+    cfg = tools_config(tool, redis_url=redis_cluster.url, redis_cluster=True)
+    a = await runcap_factory(cfg, data_dir=tmp_path / "a")
+    b = await runcap_factory(cfg, data_dir=tmp_path / "b")
+    channel = b.ledger.backend.cancel_channel
+    await wait_subscribed(redis_cluster.url, channel, 2, sharded=True)  # both replicas listen
+    run = rid("cxc")
+    with caplog.at_level(logging.INFO, logger="runcap.cancel"):
+        await _cancel_scenario(b, a, tool, upstream, run)
+    via = [r.getMessage() for r in caplog.records if r.name == "runcap.cancel" and run in r.getMessage()]
+    assert via and all('"via": "pubsub"' in m for m in via), via
+
+
 # -- kill -9 and reconcile ---------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
-"""Both ledger backends behind one fixture (make_ledger: SQLite, and Redis on the session's redis-
-server), and the step / tool-call requests the tests send them."""
+"""Every ledger backend behind one fixture (make_ledger: SQLite, Redis on the session's redis-
+server, and Redis on the session's 3-master Redis Cluster), and the step / tool-call requests the
+tests send them."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def tool(
     )  # fmt: skip
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
 async def make_ledger(request, tmp_path: Path) -> AsyncIterator[Callable[..., Ledger]]:  # type: ignore[no-untyped-def]
     """make_ledger(**opts) → a ledger instance; every instance of one test shares one store."""
     opened: list[Ledger] = []
@@ -55,12 +56,14 @@ async def make_ledger(request, tmp_path: Path) -> AsyncIterator[Callable[..., Le
         if request.param == "sqlite":
             ledger: Ledger = SQLiteLedger(tmp_path / "ledger.sqlite3", retention_s=retention_s)
         else:
-            server = request.getfixturevalue("redis_server")
+            cluster = request.param == "redis-cluster"
+            server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
             # confirm_dead_s=0: the tests fake a death by deleting the heartbeat key; the two-sweep
             # rule is tested with real replicas in test_ledger_faults.py.
             ledger = RedisLedger(
-                server.url, prefix=prefix, retention_s=retention_s, heartbeat_ttl_s=5, confirm_dead_s=0
-            )
+                server.url, prefix=prefix, retention_s=retention_s, heartbeat_ttl_s=5, confirm_dead_s=0,
+                cluster=cluster,
+            )  # fmt: skip
         opened.append(ledger)
         return ledger
 

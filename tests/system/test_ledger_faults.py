@@ -377,7 +377,8 @@ async def test_live_replica_survives_a_15s_outage_and_a_killed_one_is_settled(  
 
         async def holders() -> dict[str, int]:
             owners = {o.decode() for o in await r.smembers("runcap:owners")}
-            return {o: await r.hlen(f"runcap:res:{o}") for o in owners}
+            # (the run's reservations of each owner: keys under the run tree's hash tag, keys.py)
+            return {o: await r.hlen(f"runcap:res:{{{run}}}:{o}") for o in owners}
 
         before = await holders()
         assert len(before) == 2 and sorted(before.values()) == [0, 3], before
@@ -396,7 +397,7 @@ async def test_live_replica_survives_a_15s_outage_and_a_killed_one_is_settled(  
         await asyncio.sleep(5)  # A sweeps every second: several sweeps more than a TTL apart
 
         assert await holders() == before  # B still registered, its 3 reservations still its own
-        assert await r.hlen(f"runcap:swept:{b_owner}") == 0
+        assert await r.hlen(f"runcap:swept:{{{run}}}:{b_owner}") == 0
         status, run_after, _ = await get_json(f"{a.url}/runs/{run}", a.admin)
         assert status == 200
         assert run_after["reserved_usd"] == run_before["reserved_usd"]
@@ -536,7 +537,7 @@ async def test_writes_a_frozen_redis_ran_after_the_call_was_refused_are_released
         await asyncio.sleep(0.5)
         state = await ledger.get_run("doubt")
         assert state is not None and state.reserved_usd_nanos > 0
-        assert await backend._r.hlen(backend._k_res(backend.owner)) == 1
+        assert await backend._r.hlen(backend._k_res(backend.owner, "doubt")) == 1  # (its tree: "doubt")
         record = await ledger.get_tool_call("doubt-tool", "k1")
         assert record is not None and record.state == "in_flight"
 

@@ -1,5 +1,12 @@
 """Cancels across replicas: each cancel is published on `{prefix}cancel` as [run_id, origin owner];
 every replica's subscriber yields the run ids cancelled elsewhere, and aborts its in-flight calls.
+
+On a Redis Cluster the channel is a sharded one (`SPUBLISH` / `SSUBSCRIBE`, Redis >= 7): it lives
+on the master that owns its slot (and that master's replicas), each replica subscribes there, and
+after a failover or a slot move the subscription is made again on the new owner (a lost
+connection re-subscribes; redis-py's cluster pub/sub follows a moved slot). A single Redis keeps
+classic pub/sub, which works on any version. A cancel missed while a subscriber reconnects is
+caught by the caller's slow poll of the cancel flags.
 """
 
 from __future__ import annotations
@@ -8,32 +15,52 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("runcap.ledger")
 
 
-async def publish_cancel(r: aioredis.Redis, channel: str, run_id: str, owner: str) -> None:
-    await r.publish(channel, orjson.dumps([run_id, owner]))
+async def publish_cancel(
+    r: aioredis.Redis | RedisCluster, channel: str, run_id: str, owner: str, *, sharded: bool = False
+) -> None:
+    message = orjson.dumps([run_id, owner])
+    if sharded:
+        await r.spublish(channel, message)
+    else:
+        await r.publish(channel, message)
 
 
-async def cancel_events(r: aioredis.Redis, channel: str, owner: str) -> AsyncIterator[str]:
+async def cancel_events(
+    r: aioredis.Redis | RedisCluster, channel: str, owner: str, *, sharded: bool = False
+) -> AsyncIterator[str]:
     """Run ids cancelled through other ledger instances than `owner`, as they are published
     (reconnects with backoff; a cancel missed while disconnected is caught by the caller's slow
     poll)."""
     backoff = 0.1
     while True:
-        pubsub = r.pubsub()
+        pubsub: Any = None
         try:
-            await pubsub.subscribe(channel)
+            if isinstance(r, RedisCluster):
+                await r.initialize()  # the map of slots: the channel's owner (no-op once known)
+            pubsub = r.pubsub()
+            if sharded:
+                await pubsub.ssubscribe(channel)
+            else:
+                await pubsub.subscribe(channel)
             backoff = 0.1
             while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg is None or msg.get("type") != "message":
+                if sharded:
+                    msg = await pubsub.get_sharded_message(ignore_subscribe_messages=True, timeout=1.0)
+                else:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is None or msg.get("type") not in ("message", "smessage"):
                     continue
                 try:
                     run_id, origin = orjson.loads(msg["data"])
@@ -42,10 +69,11 @@ async def cancel_events(r: aioredis.Redis, channel: str, owner: str) -> AsyncIte
                     continue
                 if origin != owner:
                     yield run_id
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        except (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError) as e:
             log.warning("redis cancel subscription lost (%s); reconnecting", e)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
         finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
+            if pubsub is not None:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()

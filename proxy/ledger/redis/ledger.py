@@ -21,6 +21,14 @@ and compare-and-set), liveness.py (owners' heartbeats), recovery.py (sweeps of d
 cancels.py (cancel pub/sub). This module is the `Ledger`: each operation reads, decides with
 base.py's rules and writes.
 
+Redis Cluster (`cluster=True`, `redis_cluster = true`): the same code on redis-py's asyncio
+`RedisCluster`, given any node's URL. Every script's keys share one hash slot (keys.py: the tag of
+the run tree's root), so EVALSHA is routed by its first key; cancels use sharded pub/sub
+(cancels.py). A failover can lose writes the old master acknowledged; `wait_replicas = N`
+(`redis_wait_replicas`) acknowledges a reservation or settlement only once N replicas have it
+(`WAIT`, store.py's `Durability`), and refuses the call (503 `ledger_unavailable`, code
+`ledger_replicas_behind`) when fewer did in time.
+
 Faults. A settlement of a reservation a sweep charged at its reserved amount (this replica was
 taken for dead) replaces that charge by the actual usage. Writes whose answer was lost (the
 connection failed after a script was sent) are "in doubt": a reservation or an in-flight record
@@ -40,10 +48,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.caps import RunCaps
@@ -55,7 +64,7 @@ from proxy.ledger.redis.codec import as_text
 from proxy.ledger.redis.keys import RedisKeys
 from proxy.ledger.redis.liveness import Liveness
 from proxy.ledger.redis.recovery import Recovery
-from proxy.ledger.redis.store import Conflict, RedisStore, backoff
+from proxy.ledger.redis.store import Conflict, Durability, RedisStore, ReplicasBehind, backoff
 
 log = logging.getLogger("runcap.ledger")
 
@@ -73,10 +82,16 @@ class RedisLedger(base.Ledger):
         heartbeat_ttl_s: float = 10.0,
         confirm_dead_s: float | None = None,
         op_timeout_s: float = 5.0,
+        cluster: bool = False,
+        wait_replicas: int = 0,
+        wait_timeout_s: float | None = None,
     ) -> None:
         """`confirm_dead_s`: how long an owner's heartbeat must have been seen missing before a
         sweep settles its reservations (default: the heartbeat TTL; see recovery.py).
-        `op_timeout_s`: the socket timeout of each command."""
+        `op_timeout_s`: the socket timeout of each command. `cluster`: `url` names a node of a
+        Redis Cluster. `wait_replicas`: replicas that must have a reservation or settlement
+        before it is acknowledged, waited for at most `wait_timeout_s` (default: half of
+        `op_timeout_s`, so the refusal comes before the operation's own timeout)."""
         self.url = url
         self.prefix = prefix
         self.retention_ms = int(retention_s * 1000)
@@ -84,17 +99,31 @@ class RedisLedger(base.Ledger):
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self.confirm_dead_s = heartbeat_ttl_s if confirm_dead_s is None else confirm_dead_s
         self.owner = secrets.token_hex(8)
-        self._r: aioredis.Redis = aioredis.from_url(
-            url,
-            socket_timeout=op_timeout_s,
-            socket_connect_timeout=op_timeout_s,
-            # Once, at once, on a new connection: pooled connections die with a restarted Redis
-            # (safe for the scripts: see "compare-and-set" above; the rest is idempotent).
-            retry=Retry(NoBackoff(), 1),
-            retry_on_error=[RedisConnectionError],
-        )
+        self.cluster = cluster
+        self._r: aioredis.Redis | RedisCluster
+        if cluster:
+            # The cluster client retries a command on a connection error or a MOVED slot after
+            # refreshing its map of the cluster (a failover): safe for the scripts, as above.
+            self._r = RedisCluster.from_url(
+                url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s
+            )
+        else:
+            self._r = aioredis.from_url(
+                url,
+                socket_timeout=op_timeout_s,
+                socket_connect_timeout=op_timeout_s,
+                # Once, at once, on a new connection: pooled connections die with a restarted
+                # Redis (safe for the scripts: see "compare-and-set" above; the rest is idempotent).
+                retry=Retry(NoBackoff(), 1),
+                retry_on_error=[RedisConnectionError],
+            )
+        self.wait_replicas = wait_replicas
+        durability = None
+        if wait_replicas > 0:
+            wait_ms = int(1000 * (op_timeout_s / 2 if wait_timeout_s is None else wait_timeout_s))
+            durability = Durability(self._r, wait_replicas, max(wait_ms, 1))
         self._keys = RedisKeys(prefix)
-        self._store = RedisStore(self._r, self._keys, self.retention_ms)
+        self._store = RedisStore(self._r, self._keys, self.retention_ms, self.owner, durability)
         self._liveness = Liveness(
             self._store, self.owner, heartbeat_s=heartbeat_s, heartbeat_ttl_ms=self.heartbeat_ttl_ms
         )
@@ -109,17 +138,17 @@ class RedisLedger(base.Ledger):
 
     # Seams the fault and contract tests reach through (tests/test_ledger_*.py).
 
-    def _k_run(self, run_id: str) -> str:
-        return self._keys.run(run_id)
+    def _k_run(self, run_id: str, root: str | None = None) -> str:
+        return self._keys.run(run_id, root)
 
-    def _k_res(self, owner: str) -> str:
-        return self._keys.reservations(owner)
+    def _k_res(self, owner: str, root: str) -> str:
+        return self._keys.reservations(owner, root)
 
     def _k_owner(self, owner: str) -> str:
         return self._keys.heartbeat(owner)
 
-    def _k_tc(self, run_id: str, key: str) -> str:
-        return self._keys.call(run_id, key)
+    def _k_tc(self, run_id: str, key: str, root: str | None = None) -> str:
+        return self._keys.call(run_id, key, root)
 
     async def _beat(self) -> None:
         await self._liveness.beat()
@@ -134,7 +163,7 @@ class RedisLedger(base.Ledger):
         await self._liveness.start()
         attempt = 0
         while True:
-            version, state = await self._store.read_run(req.run_id, cached=attempt == 0)
+            version, state = await self._store.read_run(req.run_id, cached=attempt == 0, index=True)
             state = state or base.new_run(req.run_id, req.task, req.caps, req.now)
             try:
                 res = base.decide_step(state, req)
@@ -232,7 +261,7 @@ class RedisLedger(base.Ledger):
 
     async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         state = await self._update(run_id, now, cancel=True)
-        await publish_cancel(self._r, self.cancel_channel, run_id, self.owner)
+        await publish_cancel(self._r, self.cancel_channel, run_id, self.owner, sharded=self.cluster)
         return state
 
     async def set_status(self, run_id: str, status: str, now: float) -> None:
@@ -417,13 +446,18 @@ class RedisLedger(base.Ledger):
     # -- cancels --------------------------------------------------------------------------------
 
     def cancel_events(self) -> AsyncIterator[str]:
-        return cancel_events(self._r, self.cancel_channel, self.owner)
+        return cancel_events(self._r, self.cancel_channel, self.owner, sharded=self.cluster)
 
     @property
     def location(self) -> str:
         return redact_url(self.url)
 
     def failure_code(self, exc: BaseException) -> str | None:
+        if isinstance(exc, ReplicasBehind):
+            return "ledger_replicas_behind"
+        if isinstance(exc, (RedisClusterException, ClusterDownError)):
+            # No master serves the slot (a failover under way, the cluster's map out of date).
+            return "ledger_unreachable"
         if isinstance(exc, RedisTimeoutError):
             return "ledger_timeout"
         if isinstance(exc, RedisConnectionError):
@@ -453,12 +487,20 @@ class RedisLedger(base.Ledger):
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        """A write, as readiness needs: Redis may answer PING and still refuse writes."""
-        await self._r.set(self._keys.probe(self.owner), time.time(), px=60_000)
+        """A write, as readiness needs: Redis may answer PING and still refuse writes; with
+        `wait_replicas`, acknowledged by that many replicas (or not ready: every reservation
+        would be refused)."""
+        probe = self._keys.probe(self.owner)
+        if self._store.durability is not None:
+            await self._store.durability.write(probe, "SET", probe, time.time(), "PX", 60_000)
+            return
+        await self._r.set(probe, time.time(), px=60_000)
 
     async def close(self) -> None:
         try:
             await self._liveness.stop()
         except Exception as e:
             log.warning("redis ledger close: %s", e)
+        if self._store.durability is not None:
+            await self._store.durability.close()
         await self._r.aclose()

@@ -7,7 +7,8 @@ nobody can beat, and after a restart (or a freeze longer than the TTL) every hea
 once. So every beat re-asserts the owner's heartbeat *and* its membership of `owners` (one round
 trip); and a replica that finds itself swept anyway (a partition, a stall longer than the TTL:
 its beat re-added it to `owners`) re-asserts its in-flight reservations — each one moved back
-from `swept:{owner}` to `res:{owner}` with the recovery charge undone, atomically.
+from `swept:` to `res:` (of its tree, keys.py) with the recovery charge undone, atomically — and
+indexes its trees again (the sweep may have pruned them from `tags:<owner>`).
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ class Liveness:
         pipe = self.store.r.pipeline(transaction=False)
         pipe.set(keys.heartbeat(self.owner), os.getpid(), px=self.heartbeat_ttl_ms)
         pipe.sadd(keys.owners, self.owner)
-        _, added = await pipe.execute()
+        # Its tag index lives while it does, and a retention after (what it indexes expires too).
+        pipe.pexpire(keys.owner_tags(self.owner), self.store.retention_ms)
+        _, added, _ = await pipe.execute()
         if added and not first:
+            self.store.forget_indexed()
             log.warning(
                 "redis ledger: this replica (%s) was taken for dead and swept; re-registered, "
                 "re-asserting its %d reservations in flight", self.owner, len(self.live),
@@ -89,7 +93,10 @@ class Liveness:
         store, keys = self.store, self.store.keys
         taken = 0
         for res in list(self.live.values()):
-            raw = await store.r.hget(keys.swept(self.owner), res.id)
+            root = res.state.root
+            store.learn_root(res.run_id, root)
+            await store.index(root)
+            raw = await store.r.hget(keys.swept(self.owner, root), res.id)
             if raw is None:
                 continue
             _run, usd, tin, tout, _created = orjson.loads(raw)
@@ -122,6 +129,7 @@ class Liveness:
         if not self.started:
             return
         r, keys = self.store.r, self.store.keys
-        if not await r.exists(keys.reservations(self.owner), keys.inflight(self.owner)):
+        if not await self.store.owner_holds(self.owner, prune=True):
             await r.srem(keys.owners, self.owner)
+            await r.delete(keys.owner_tags(self.owner))
         await r.delete(keys.heartbeat(self.owner))

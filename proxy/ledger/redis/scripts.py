@@ -6,12 +6,14 @@ doubles — nano-dollar amounts travel as JSON integers decoded by Python, so th
 precision. Each script that writes a run first checks whether the run already has the version it
 is about to write — its own write, sent again — and then answers as if it had just done it: so
 the client may resend a command whose connection broke without a reservation written twice or a
-refund applied twice. The keys each script takes are built by keys.py.
+refund applied twice. The keys each script takes are built by store.py from keys.py, all under
+one tree's hash tag (one slot on a cluster).
 """
 
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 # KEYS: run  ARGV: expected version, state, ttl ms, new version
 _SAVE_RUN = """
@@ -22,7 +24,7 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# KEYS: run, res:{owner}  ARGV: expected version, state, ttl ms, new version, reservation id, JSON
+# KEYS: run, res:{<root>}:<owner>  ARGV: expected version, state, ttl ms, new version, reservation id, JSON
 _BEGIN_STEP = """
 if redis.call('HGET', KEYS[1], 'v') == ARGV[4] then return 1 end  -- done: a retried send
 if (redis.call('HGET', KEYS[1], 'v') or '') ~= ARGV[1] then return 0 end
@@ -33,7 +35,7 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 
-# KEYS: run, res:{owner}, swept:{owner}  ARGV: expected version, state, ttl ms, new version,
+# KEYS: run, res:{<root>}:<owner>, swept:{<root>}:<owner>  ARGV: expected version, state, ttl ms, new version,
 #       reservation id
 # -1: the reservation is gone (already settled) — never charge twice; -2: a sweep charged it at its
 # reserved amount (its owner was thought dead): settle it out of swept:{owner} with `_MOVE_RES`.
@@ -69,7 +71,7 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# KEYS: run, tc, inflight:{record owner}, unknown, tcs
+# KEYS: run, tc, inflight:{<root>}:<record owner>, unknown:{<root>}, tcs:{<root>} (one tree's slot)
 # ARGV: expected version, state, ttl ms, new version, expected tc state, new tc state ('' = leave),
 #       record JSON, member, now
 _BEGIN_TOOL = """
@@ -84,15 +86,17 @@ if ARGV[6] == 'in_flight' then
   redis.call('SADD', KEYS[3], ARGV[8])
   redis.call('PEXPIRE', KEYS[3], ARGV[3])
   redis.call('ZADD', KEYS[5], ARGV[9], ARGV[8])
+  redis.call('PEXPIRE', KEYS[5], ARGV[3])
 elseif ARGV[6] == 'unknown' then
   redis.call('HSET', KEYS[2], 'st', 'unknown', 'm', ARGV[7])
   redis.call('SREM', KEYS[3], ARGV[8])
   redis.call('ZADD', KEYS[4], ARGV[9], ARGV[8])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
 end
 return 1
 """
 
-# KEYS: tc, inflight:{record owner}, unknown, tcs
+# KEYS: tc, inflight:{<root>}:<record owner>, unknown:{<root>}, tcs:{<root>}
 # ARGV: expected state, new state ('' = delete), record JSON, body, ttl ms, member, now
 _SET_TOOL = """
 if (redis.call('HGET', KEYS[1], 'st') or '') ~= ARGV[1] then return 0 end
@@ -105,15 +109,18 @@ if ARGV[2] == '' then
 end
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'm', ARGV[3], 'b', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('PEXPIRE', KEYS[4], ARGV[5])  -- the tree's index lives as long as its records
 if ARGV[2] == 'unknown' then
   redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], ARGV[5])
 else
   redis.call('ZREM', KEYS[3], ARGV[6])
 end
 return 1
 """
 
-# KEYS: legacy record key, current record key  ARGV: the record JSON as read
+# KEYS: an older layout's record key, its current key (one slot: the migration runs on a single
+# Redis, the only place an older layout ran)  ARGV: the record JSON as read
 # 1: moved; 2: the current key already holds the record (written since the upgrade; the older copy
 # is dropped); 0: the legacy key changed or went since it was read (left alone).
 _MOVE_LEGACY = """
@@ -126,11 +133,23 @@ redis.call('RENAME', KEYS[1], KEYS[2])
 return 1
 """
 
+# KEYS: a layout-2 key, its current name  1: moved; 2: the current name was written since the
+# upgrade (the newer: the old one is dropped); 0: the old key went meanwhile.
+_MOVE_KEY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('DEL', KEYS[1])
+  return 2
+end
+redis.call('RENAME', KEYS[1], KEYS[2])
+return 1
+"""
+
 
 class Scripts:
     """The scripts registered on one client (EVALSHA, loaded on first use)."""
 
-    def __init__(self, r: Redis) -> None:
+    def __init__(self, r: Redis | RedisCluster) -> None:
         self.save_run = r.register_script(_SAVE_RUN)
         self.begin_step = r.register_script(_BEGIN_STEP)
         self.settle = r.register_script(_SETTLE)
@@ -138,3 +157,5 @@ class Scripts:
         self.begin_tool = r.register_script(_BEGIN_TOOL)
         self.set_tool = r.register_script(_SET_TOOL)
         self.move_legacy = r.register_script(_MOVE_LEGACY)
+        # A layout-2 key moved to its tree's tag (RENAME: a single Redis only, as keys.py says).
+        self.move_key = r.register_script(_MOVE_KEY)
