@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
-SPAN_KINDS = ("model", "tool", "tool_call", "tool_result")
+SPAN_KINDS = ("model", "tool", "tool_call", "tool_result", "approval")
 OUTCOMES = (
     "ok",
     "error",
