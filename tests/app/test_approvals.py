@@ -1,0 +1,187 @@
+"""Tool calls held for a person (proxy/toolcall/approvals.py, approval_routes.py) in a runcap app
+with its real ledger (SQLite, or Redis for the two-replica case): the gate holds one exact call
+until `POST /approvals/{id}` decides it — the same tool with other arguments stays held — `defer`
+answers 428 at once, a run's deadline or cancel ends a wait with a clear answer, and a tenant sees
+and decides only its own approvals."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.caps import RunCaps, RunRequest
+from proxy.errors import DeadlineExceeded, RunCancelled
+from proxy.ledger.base import APPROVED, DENIED, PENDING, ToolCallRequest
+from proxy.toolcall.approvals import ApprovalDenied, ApprovalDesk, ApprovalRequired
+from proxy.toolcall.call import ToolCall
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's decision as the gate reads it (proxy/toolcall/policy.py's PolicyDecision)."""
+
+    rule: str = "large"
+    reason: str = "refunds over 100 need a person"
+    mode: str = "wait"
+    effect: str = "approve"
+
+
+def held_call(run_id: str, key: str, *, deadline: float | None = None) -> tuple[ToolCall, ToolCallRequest]:
+    caps = RunCaps(deadline=deadline)
+    call = ToolCall("refund", run=RunRequest(run_id, False, "t", caps), args_hash=f"sha-{key}")
+    call.key = key
+    return call, ToolCallRequest(run_id, "t", caps, time.time(), "refund", key, f"sha-{key}")
+
+
+async def listed(s: aiohttp.ClientSession, url: str, headers: dict[str, str], **query: str) -> list[Any]:
+    async with s.get(f"{url}/approvals", params=query, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["approvals"]
+
+
+async def until_pending(
+    s: aiohttp.ClientSession, url: str, headers: dict[str, str], run: str, n: int = 1
+) -> list[Any]:
+    """The run's pending approvals, once there are `n` (the held calls asked)."""
+    for _ in range(2000):
+        rows = await listed(s, url, headers, run=run)
+        if len(rows) >= n:
+            return rows
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{n} approvals never became pending for run {run}")
+
+
+async def decide(s: aiohttp.ClientSession, url: str, headers: dict[str, str], approval_id: str,
+                 **body: str) -> tuple[int, Any]:  # fmt: skip
+    async with s.post(f"{url}/approvals/{approval_id}", json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def test_wait_releases_exactly_the_approved_call(runcap) -> None:  # type: ignore[no-untyped-def]
+    desk = runcap.runtime.approvals
+    run = f"run-{secrets.token_hex(4)}"
+    big, big_req = held_call(run, "amount-500")
+    other, other_req = held_call(run, "amount-700")
+    first = asyncio.create_task(desk.hold(big, big_req, Decision()))
+    second = asyncio.create_task(desk.hold(other, other_req, Decision()))
+    async with aiohttp.ClientSession() as s:
+        rows = await until_pending(s, runcap.url, runcap.admin, run, 2)
+        by_hash = {r["args_hash"]: r for r in rows}
+        assert set(by_hash) == {"sha-amount-500", "sha-amount-700"}
+        row = by_hash["sha-amount-500"]
+        assert (row["state"], row["tool"], row["rule"], row["run_id"]) == (PENDING, "refund", "large", run)
+        assert len(row["id"]) == 32
+        status, record = await decide(s, runcap.url, runcap.admin, row["id"], decision="approve",
+                                      by="alice", reason="order checked")  # fmt: skip
+        assert status == 200 and (record["state"], record["by"]) == (APPROVED, "alice")
+        await asyncio.wait_for(first, timeout=10)  # released
+        assert big.attributes["approval.state"] == APPROVED
+        # the same tool with other arguments is still held
+        assert not second.done()
+        still = await listed(s, runcap.url, runcap.admin, run=run)
+        assert [r["args_hash"] for r in still] == ["sha-amount-700"]
+        # a decision is final
+        status, err = await decide(s, runcap.url, runcap.admin, row["id"], decision="deny", reason="x")
+        assert status == 409 and err["error"]["code"] == "approval_not_pending"
+        # a denial needs a reason, and reaches the held call with it
+        held_id = by_hash["sha-amount-700"]["id"]
+        status, err = await decide(s, runcap.url, runcap.admin, held_id, decision="deny")
+        assert status == 400 and err["error"]["param"] == "reason"
+        status, _ = await decide(s, runcap.url, runcap.admin, held_id,
+                                 decision="deny", by="bob", reason="customer already refunded")  # fmt: skip
+        assert status == 200
+        with pytest.raises(ApprovalDenied) as e:
+            await asyncio.wait_for(second, timeout=10)
+        assert e.value.status == 403 and e.value.type == "tool_call_denied"
+        assert "customer already refunded" in e.value.message and "bob" in e.value.message
+        # asked again, the approved call passes at once and the denied one is refused at once
+        await desk.hold(*held_call(run, "amount-500"), Decision())
+        with pytest.raises(ApprovalDenied):
+            await desk.hold(*held_call(run, "amount-700"), Decision())
+
+
+async def test_defer_answers_at_once_then_follows_the_decision(runcap) -> None:  # type: ignore[no-untyped-def]
+    desk: ApprovalDesk = runcap.runtime.approvals
+    run = f"run-{secrets.token_hex(4)}"
+    with pytest.raises(ApprovalRequired) as e:
+        await desk.hold(*held_call(run, "k"), Decision(mode="defer"))
+    rej = e.value
+    assert rej.status == 428 and rej.headers["Retry-After"] == "30" and len(rej.approval_id) == 32
+    assert b'"approval_id":"' + rej.approval_id.encode() in rej.body("openai")
+    # sent again before anyone decided: the same approval, still 428
+    with pytest.raises(ApprovalRequired) as again:
+        await desk.hold(*held_call(run, "k"), Decision(mode="defer"))
+    assert again.value.approval_id == rej.approval_id
+    async with aiohttp.ClientSession() as s:
+        status, _ = await decide(s, runcap.url, runcap.admin, rej.approval_id, decision="approve")
+        assert status == 200
+    await desk.hold(*held_call(run, "k"), Decision(mode="defer"))  # approved: goes
+
+
+async def test_deadline_and_cancel_end_a_wait(runcap) -> None:  # type: ignore[no-untyped-def]
+    desk: ApprovalDesk = runcap.runtime.approvals
+    run = f"run-{secrets.token_hex(4)}"
+    soon = time.time() + 0.3
+    await runcap.ledger.touch_run(run, "t", RunCaps(deadline=soon), time.time())
+    with pytest.raises(DeadlineExceeded) as e:
+        await desk.hold(*held_call(run, "k", deadline=soon), Decision())
+    assert e.value.status == 504 and "waited for a person's approval" in e.value.message
+
+    run2 = f"run-{secrets.token_hex(4)}"
+    waiting = asyncio.create_task(desk.hold(*held_call(run2, "k"), Decision()))
+    async with aiohttp.ClientSession() as s:
+        [row] = await until_pending(s, runcap.url, runcap.admin, run2)
+        async with s.post(f"{runcap.url}/runs/{run2}/cancel", headers=runcap.admin) as r:
+            assert r.status == 200
+        with pytest.raises(RunCancelled) as c:
+            await asyncio.wait_for(waiting, timeout=10)
+        assert c.value.status == 410 and "was not executed" in c.value.message
+        [after] = await listed(s, runcap.url, runcap.admin, run=run2, state="all")
+        assert after["state"] == DENIED and after["id"] == row["id"]
+
+
+async def test_a_decision_on_another_replica_releases_the_wait(  # type: ignore[no-untyped-def]
+    runcap_factory, redis_server, tmp_path
+) -> None:
+    """Two runcaps on one Redis: the call is held on A, approved on B, and A's call goes on."""
+    extra = {"redis_url": redis_server.url}
+    a = await runcap_factory(extra, data_dir=tmp_path / "a")
+    b = await runcap_factory(extra, data_dir=tmp_path / "b")
+    run = f"run-{secrets.token_hex(4)}"
+    call, req = held_call(run, "k")
+    held = asyncio.create_task(a.runtime.approvals.hold(call, req, Decision()))
+    async with aiohttp.ClientSession() as s:
+        [row] = await until_pending(s, b.url, b.admin, run)
+        status, _ = await decide(s, b.url, b.admin, row["id"], decision="approve", by="carol")
+        assert status == 200
+    await asyncio.wait_for(held, timeout=10)
+    assert call.attributes["approval.state"] == APPROVED
+
+
+async def test_tenants_see_and_decide_only_their_own(runcap_factory) -> None:  # type: ignore[no-untyped-def]
+    tokens = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcd"}
+    rc = await runcap_factory({"auth": {"client_tokens": tokens}})
+    desk: ApprovalDesk = rc.runtime.approvals
+    acme = {"X-Run-Client-Token": "acme-token-0123456789abcdef"}
+    globex = {"X-Run-Client-Token": "globex-token-0123456789abcd"}
+    for tenant in ("acme", "globex"):
+        with pytest.raises(ApprovalRequired):
+            await desk.hold(*held_call(f"{tenant}:r1", "k"), Decision(mode="defer"))
+    async with aiohttp.ClientSession() as s:
+        mine = await listed(s, rc.url, acme)
+        assert [(r["run_id"], r["tenant"]) for r in mine] == [("r1", "acme")]
+        theirs = await listed(s, rc.url, globex, run="r1")
+        assert [r["tenant"] for r in theirs] == ["globex"]
+        assert {r["tenant"] for r in await listed(s, rc.url, rc.admin)} == {"acme", "globex"}
+        status, _ = await decide(s, rc.url, globex, mine[0]["id"], decision="approve")
+        assert status == 404
+        status, record = await decide(s, rc.url, acme, mine[0]["id"], decision="approve", by="dana")
+        assert status == 200 and record["by"] == "acme: dana" and record["run_id"] == "r1"
+        async with s.get(f"{rc.url}/approvals", headers={"X-Run-Client-Token": "nope"}) as r:
+            assert r.status == 401
