@@ -110,13 +110,13 @@ async def test_defer_answers_at_once_then_follows_the_decision(runcap) -> None: 
     desk: ApprovalDesk = runcap.runtime.approvals
     run = f"run-{secrets.token_hex(4)}"
     with pytest.raises(ApprovalRequired) as e:
-        await desk.hold(*held_call(run, "k"), Decision(mode="defer"))
+        await asyncio.wait_for(desk.hold(*held_call(run, "k"), Decision(mode="defer")), timeout=10)
     rej = e.value
     assert rej.status == 428 and rej.headers["Retry-After"] == "30" and len(rej.approval_id) == 32
     assert b'"approval_id":"' + rej.approval_id.encode() in rej.body("openai")
     # sent again before anyone decided: the same approval, still 428
     with pytest.raises(ApprovalRequired) as again:
-        await desk.hold(*held_call(run, "k"), Decision(mode="defer"))
+        await asyncio.wait_for(desk.hold(*held_call(run, "k"), Decision(mode="defer")), timeout=10)
     assert again.value.approval_id == rej.approval_id
     async with aiohttp.ClientSession() as s:
         status, _ = await decide(s, runcap.url, runcap.admin, rej.approval_id, decision="approve")
