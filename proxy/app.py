@@ -151,9 +151,11 @@ def build_app(
     ).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
     tool_client = ToolClient()
-    ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients).add_to(app)
+    # Where a tool call a rule sends to a person waits (toolcall/approvals.py, the ledger's approvals).
+    gate = rt.approvals
+    ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate).add_to(app)
     # /mcp/{name}
-    MCPGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients).add_to(app)
+    MCPGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate).add_to(app)
     tool_client.add_to(app)  # after the gateways: closed after their clean-up
     IdempotencyAdmin(ledger, guard).add_to(app)
     RunCapsAdmin(ledger, guard, config.caps, rt.recorder).add_to(app)

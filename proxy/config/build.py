@@ -30,6 +30,7 @@ from proxy.config.declare import (
     parse_value,
     read_section,
 )
+from proxy.config.rules import ToolRule, read_rules
 from proxy.context import POLICIES, ContextSettings
 from proxy.pricing import FEE_SETTINGS, ModelPrice
 
@@ -318,13 +319,22 @@ def _upstream(name: str, section: Mapping[str, Any], env: Mapping[str, str]) -> 
 
 def _tool(name: str, section: Mapping[str, Any]) -> sections.ToolConfig:
     where = f"tools.{name}"
-    check_known(section, where, {"url"} | known_keys(sections.ToolConfig))
+    check_known(section, where, {"url", "rules"} | known_keys(sections.ToolConfig))
     url = _str(section, where, "url")
     if not url:
+        if "rules" in section:
+            raise ConfigError(
+                f"{where}.rules: rules for tool {name!r}, which is not configured ({where}.url is missing)"
+            )
         raise ConfigError(f"{where}.url: required")
     check_url(url, f"{where}.url", ("http", "https"))
+    rules = (
+        read_rules(section["rules"], f"{where}.rules", f"tool {name!r}", http=True)
+        if "rules" in section
+        else ()
+    )
     return sections.ToolConfig(
-        name=name, url=url.rstrip("/"), **read_section(sections.ToolConfig, section, where)
+        name=name, url=url.rstrip("/"), rules=rules, **read_section(sections.ToolConfig, section, where)
     )
 
 
@@ -482,6 +492,17 @@ def _mcp_server(name: str, section: Mapping[str, Any]) -> sections.MCPServerConf
     check_known(section, where, {"url", "tools"} | known_keys(sections.MCPServerConfig))
     url = _str(section, where, "url")
     if not url:
+        tables = section.get("tools")
+        ruled = (
+            [t for t, v in tables.items() if isinstance(v, dict) and "rules" in v]
+            if isinstance(tables, dict)
+            else []
+        )
+        if ruled:
+            raise ConfigError(
+                f"{where}.tools.{ruled[0]}.rules: rules for tool {ruled[0]!r} of MCP server {name!r}, "
+                f"which is not configured ({where}.url is missing)"
+            )
         raise ConfigError(f"{where}.url: required (the server's Streamable HTTP endpoint)")
     check_url(url, f"{where}.url", ("http", "https"))
     settings = read_section(sections.MCPServerConfig, section, where)
@@ -492,10 +513,22 @@ def _mcp_server(name: str, section: Mapping[str, Any]) -> sections.MCPServerConf
     for tool, tool_section in table.items():
         if not isinstance(tool_section, dict):
             raise ConfigError(f"{where}.tools.{tool}: expected a table")
-        tools[tool] = _mcp_tool(f"{where}.tools.{tool}", tool, tool_section)
+        tools[tool] = _mcp_tool(f"{where}.tools.{tool}", name, tool, tool_section)
+        if tools[tool].rules and tool in settings.get("deny", ()):
+            raise ConfigError(
+                f"{where}.tools.{tool}.rules: tool {tool!r} of MCP server {name!r} is denied ({where}.deny), "
+                "so its rules would never apply: remove one or the other"
+            )
     return sections.MCPServerConfig(name=name, url=url.rstrip("/"), **settings, tools=tools)
 
 
-def _mcp_tool(where: str, name: str, section: Mapping[str, Any]) -> sections.MCPToolConfig:
-    check_known(section, where, known_keys(sections.MCPToolConfig))
-    return sections.MCPToolConfig(name=name, **read_section(sections.MCPToolConfig, section, where))
+def _mcp_tool(where: str, server: str, name: str, section: Mapping[str, Any]) -> sections.MCPToolConfig:
+    check_known(section, where, {"rules"} | known_keys(sections.MCPToolConfig))
+    rules: tuple[ToolRule, ...] = ()
+    if "rules" in section:
+        rules = read_rules(
+            section["rules"], f"{where}.rules", f"tool {name!r} of MCP server {server!r}", http=False
+        )
+    return sections.MCPToolConfig(
+        name=name, rules=rules, **read_section(sections.MCPToolConfig, section, where)
+    )

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from proxy.config.declare import ConfigError, setting
+from proxy.config.rules import ToolRule
 from proxy.context import ContextSettings
 from proxy.pricing import ModelPrice
 from proxy.upstream_url import Base
@@ -402,6 +403,7 @@ class ToolConfig(Endpoint):
     forward_headers: tuple[str, ...] = setting(
         (), "agent headers the tool may receive although they are credentials", check=_lower
     )
+    rules: tuple[ToolRule, ...] = ()  # [[tools.NAME.rules]], compiled (config/rules.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +421,7 @@ class MCPToolConfig:
     )  # fmt: skip
     timeout_s: float | None = setting(None, "each call's own limit (the run's deadline applies too)", above=0)
     max_calls_per_run: int | None = setting(None, "calls of this tool one run may make", minimum=1)
+    rules: tuple[ToolRule, ...] = ()  # [[mcp.NAME.tools.TOOL.rules]], compiled (config/rules.py)
 
 
 @dataclass(frozen=True, slots=True)

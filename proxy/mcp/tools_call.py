@@ -1,8 +1,11 @@
 """MCP `tools/call`: a tool call of the run, at most once when side-effecting (DESIGN.md "MCP
 servers"), through the same machinery as `/tools` (proxy/toolcall/):
-  1. denied tool → -32044; side effects from the operator's override or the annotations (a tool
-     not seen listed yet: runcap lists the server's tools first, in the agent's session:
-     listing.py);
+  1. denied tool → -32044; the tool's rules (`[[mcp.NAME.tools.TOOL.rules]]`, toolcall/policy.py,
+     before the ledger): a denial is a `tools/call` result with `isError: true` and the rule's
+     reason as its text (the model reads it; `_meta["runcap/refusal"]` has the type, code and
+     rule), an approval waits at the gate; side effects from the operator's override or the
+     annotations (a tool not seen listed yet: runcap lists the server's tools first, in the
+     agent's session: listing.py);
   2. the ledger, atomically: run live? `X-Run-Max-Tool-Calls`? For a side-effecting call its
      idempotency record — key = sha256({"run", "tool": "mcp:{server}/{tool}", "args":
      params.arguments restricted to `key_fields`, "op": `params._meta["runcap/operation_id"]` or
@@ -55,12 +58,22 @@ from proxy.mcp.listing import ToolListing
 from proxy.mcp.outcome import outcome_of, replayed
 from proxy.mcp.relay import ANSWER_FAILED, Exchange, StreamableHTTPRelay
 from proxy.mcp.reply import Reply
-from proxy.mcp.wire import JSON, ToolDenied, dumps, is_response, json_object, refusal, result_message
+from proxy.mcp.wire import (
+    JSON,
+    ToolDenied,
+    denied_result,
+    dumps,
+    is_response,
+    json_object,
+    refusal,
+    result_message,
+)
 from proxy.server.outbound import release_or_drop
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.keys import key_args
 from proxy.toolcall.outcome import never_left, session_refused
+from proxy.toolcall.policy import ADMITTED, ToolCallDenied
 from proxy.toolcall.route import ToolRoute
 from proxy.toolcall.span import record_tool_call
 
@@ -112,7 +125,10 @@ class MCPToolCalls:
         except Rejection as rej:
             call.refused(rej)
             self.metrics.rejections.labels(rej.code or rej.type).inc()
-            await reply.message(refusal(rid, rej), call.answer_headers())
+            # A rule's denial is a result the model reads (the spec's tool execution error); every
+            # other refusal is a JSON-RPC error.
+            answer = denied_result(rid, rej) if isinstance(rej, ToolCallDenied) else refusal(rid, rej)
+            await reply.message(answer, call.answer_headers())
         finally:
             access = ("POST", f"/mcp/{server.name}", run.run_id) if self.config.log_requests else None
             record_tool_call(
@@ -185,9 +201,18 @@ class MCPToolCalls:
         limit = tool.max_calls_per_run if tool is not None else None
 
         async with self.route.in_flight(run.run_id, call, f"tool {name!r} of MCP server {server.name!r}"):
-            if limit is not None and call.key is None:
-                await self._claim(server, name, limit, run)
-            start = await self.calls.begin(req)
+            # The tool's rules (toolcall/policy.py) decide before the ledger records anything: a
+            # denied call, or one that waits for a person, has no idempotency record.
+            admission = ADMITTED
+            if self.route.policy.has_rules(qualified):
+                admission = await self.route.policy.admit(call, req, run, args=arguments, server=server.name)
+            try:
+                if limit is not None and call.key is None:
+                    await self._claim(server, name, limit, run)
+                start = await self.calls.begin(req)
+            except Rejection:
+                await admission.release()  # refused after all: not one of a cap rule's calls
+                raise
             call.state = start.state
             if start.action == "replay":
                 assert start.record is not None
@@ -198,6 +223,7 @@ class MCPToolCalls:
                     await self._claim(server, name, limit, run)
                 except Rejection:
                     await self.calls.release(run.run_id, call.key)  # never executed: not counted
+                    await admission.release()
                     raise
             try:
                 await self._execute(ex, message, body, reply, call, start.state)

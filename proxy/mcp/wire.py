@@ -42,6 +42,8 @@ ERROR_CODES = {
     "tool_denied": -32044,
     "ledger_unavailable": -32045,
     "idempotency_key_reused": -32046,
+    "tool_call_denied": -32044,  # (a rule's denial is answered as a result: `denied_result`)
+    "approval_unavailable": -32044,
     "invalid_request": INVALID_REQUEST,
 }
 
@@ -140,6 +142,18 @@ def refusal(request_id: Any, rej: Rejection) -> dict[str, Any]:
 
 def result_message(request_id: Any, result: Any) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": request_id, "result": result}
+
+
+def denied_result(request_id: Any, rej: Rejection) -> dict[str, Any]:
+    """A tool rule's denial as a `tools/call` result with `isError: true`: the reason is text the
+    model reads (MCP's tool execution error), `_meta["runcap/refusal"]` the refusal as data."""
+    refused = {"type": rej.type, "code": rej.code, "message": rej.message, "rule": rej.param}
+    result = {
+        "content": [{"type": "text", "text": rej.message}],
+        "isError": True,
+        "_meta": {"runcap/refusal": refused},
+    }
+    return result_message(request_id, result)
 
 
 def dumps(message: Any) -> bytes:

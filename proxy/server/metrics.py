@@ -185,6 +185,12 @@ class Metrics:
             "until reconciled.",
             ["tool"], registry=r,
         ))  # fmt: skip
+        self.policy_decisions: Bounded[Counter] = Bounded(Counter(
+            "runcap_policy_decisions",
+            "Tool calls decided by a tool's rules, by tool and effect (allow, deny, approve; error: a "
+            "rule failed to evaluate and the call was denied).",
+            ["tool", "effect"], registry=r,
+        ))  # fmt: skip
 
     def watch_spans(self, spans: SpanSystem) -> None:
         """Export the span path: this process's WAL appends and drops, and the shipper's view —

@@ -10,5 +10,8 @@ other, both import this.
 * `keys.py`     the arguments an idempotency key is derived from (`key_fields`);
 * `clock.py`    a call's timeout and deadline headers, from the run's deadline;
 * `span.py`     the call's `tool` span, metrics and access-log line;
+* `policy.py`   the tools' rules (`PolicyCheck.admit`: allow, deny, approve, cap), checked
+                before the ledger's begin;
+* `approval.py` where a call that needs a person waits (`ApprovalGate`);
 * `route.py`    what a tool gateway is built on (`ToolRoute`) and the tool-side pool (`ToolClient`).
 """

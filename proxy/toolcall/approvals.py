@@ -36,8 +36,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Protocol
-
 import orjson
 
 from proxy.config import ApprovalSettings
@@ -57,23 +55,13 @@ from proxy.server.outbound import run_deadline
 from proxy.spans.model import Span
 from proxy.spans.recorder import SpanRecorder
 from proxy.toolcall.call import ToolCall
+from proxy.toolcall.policy import PolicyDecision
 from proxy.toolcall.webhook import ApprovalWebhook
 
 log = logging.getLogger("runcap.approvals")
 
 POLL_S = 0.25  # how soon a decision made on another replica reaches a held call
 KEEPALIVE_S = 15.0  # between two keep-alives of a held call
-
-
-class HeldDecision(Protocol):
-    """What the gate reads of the policy's decision (proxy/toolcall/policy.py `PolicyDecision`)."""
-
-    @property
-    def rule(self) -> str: ...
-    @property
-    def reason(self) -> str: ...
-    @property
-    def mode(self) -> str: ...
 
 
 class ApprovalRequired(Rejection):
@@ -143,7 +131,7 @@ class ApprovalDesk:
         self,
         call: ToolCall,
         req: ToolCallRequest,
-        decision: HeldDecision,
+        decision: PolicyDecision,
         keepalive: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Return once this exact call (req.run_id, its key) is approved; raise a `Rejection` when

@@ -1,6 +1,6 @@
 """What a tool gateway — `/tools/{name}` (proxy/tools/gateway.py) or `/mcp/{name}` (proxy/mcp/) — is
-built on (`ToolRoute`), and the connection pool to tool services and MCP servers they share
-(`ToolClient`).
+built on (`ToolRoute`: the ledger's side of a call, its policy check and approval gate), and the
+connection pool to tool services and MCP servers they share (`ToolClient`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from proxy.server.flow import Cuttable, Flights
 from proxy.server.metrics import Metrics
 from proxy.server.outbound import OutboundClient
 from proxy.spans.recorder import NullRecorder, SpanRecorder
+from proxy.toolcall.approval import ApprovalGate, RefusingGate
 from proxy.toolcall.ledger import ToolCallLedger
+from proxy.toolcall.policy import PolicyCheck
 
 
 class ToolClient(OutboundClient):
@@ -45,10 +47,15 @@ class ToolRoute:
     client: ToolClient
     recorder: SpanRecorder = field(default_factory=NullRecorder)
     clients: ClientAuth = field(default_factory=lambda: ClientAuth({}))
+    # Where a call a rule sends to a person waits (toolcall/approval.py); without an approval
+    # store, such a call is refused (403 approval_unavailable).
+    gate: ApprovalGate = field(default_factory=RefusingGate)
     calls: ToolCallLedger = field(init=False)
+    policy: PolicyCheck = field(init=False)  # the tools' rules, checked before the ledger's begin
 
     def __post_init__(self) -> None:
         self.calls = ToolCallLedger(self.ledger, self.metrics)
+        self.policy = PolicyCheck(self.config, self.ledger, self.metrics, self.gate, self.clients.enabled)
 
     @contextlib.asynccontextmanager
     async def in_flight(self, run_id: str, call: Cuttable, what: str) -> AsyncIterator[None]:

@@ -2,6 +2,9 @@
 at-most-once when they have side effects (DESIGN.md "Idempotent tool calls").
 
 One call:
+  0. the tool's rules (`[[tools.NAME.rules]]`, toolcall/policy.py): a denied call is a 403
+     `tool_call_denied` naming the rule and its reason, one that needs approval waits at the
+     approval gate — both before the ledger, so nothing of a denied call is recorded;
   1. the ledger, atomically: run live? tool-call cap? the call's idempotency record — replay a
      completed one, wait for one in flight, refuse (409) an unknown one, or record the intent
      (`in_flight`) and count the call;
@@ -58,6 +61,7 @@ from proxy.toolcall.call import ToolCall
 from proxy.toolcall.clock import tool_clock
 from proxy.toolcall.keys import key_args
 from proxy.toolcall.outcome import ToolResponseTooLarge, never_left, read_bounded
+from proxy.toolcall.policy import ADMITTED
 from proxy.toolcall.route import ToolRoute
 from proxy.toolcall.span import record_tool_call
 from proxy.upstream_url import UpstreamTarget, remaining_segments
@@ -153,7 +157,19 @@ class ToolGateway(ToolRoute):
         )  # fmt: skip
 
         async with self.in_flight(run.run_id, call, f"tool {tool.name!r}"):
-            start = await self.calls.begin(req)
+            # The tool's rules (toolcall/policy.py) decide before the ledger records anything: a
+            # denied call, or one that waits for a person, has no idempotency record.
+            admission = ADMITTED
+            if self.policy.has_rules(tool.name):
+                ok, parsed = parse_json(body) if body else (True, {})
+                admission = await self.policy.admit(
+                    call, req, run, args=parsed if ok else {}, method=req.method, path=call.path
+                )
+            try:
+                start = await self.calls.begin(req)
+            except Rejection:
+                await admission.release()  # refused by the ledger: not one of a cap rule's calls
+                raise
             call.state = start.state
             if start.action == "replay":
                 assert start.record is not None

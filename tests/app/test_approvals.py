@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -20,16 +19,12 @@ from proxy.errors import DeadlineExceeded, RunCancelled
 from proxy.ledger.base import APPROVED, DENIED, PENDING, ToolCallRequest
 from proxy.toolcall.approvals import ApprovalDenied, ApprovalDesk, ApprovalRequired
 from proxy.toolcall.call import ToolCall
+from proxy.toolcall.policy import PolicyDecision
 
 
-@dataclass(frozen=True)
-class Decision:
-    """The policy's decision as the gate reads it (proxy/toolcall/policy.py's PolicyDecision)."""
-
-    rule: str = "large"
-    reason: str = "refunds over 100 need a person"
-    mode: str = "wait"
-    effect: str = "approve"
+def Decision(mode: str = "wait") -> PolicyDecision:  # noqa: N802 - reads as the value it builds
+    """The policy's decision to hold a call for a person (what PolicyCheck hands the gate)."""
+    return PolicyDecision("approve", "large", "refunds over 100 need a person", mode)
 
 
 def held_call(run_id: str, key: str, *, deadline: float | None = None) -> tuple[ToolCall, ToolCallRequest]:

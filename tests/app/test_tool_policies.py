@@ -1,0 +1,217 @@
+"""Tool policies (issue 23 item 1): `[[tools.NAME.rules]]` and `[[mcp.SERVER.tools.TOOL.rules]]`
+decide before the ledger, on `/tools` (raw HTTP, the counting tool service) and over MCP (the
+official `mcp` SDK on both sides). The acceptance policy: `amount > 100 → approve`,
+`currency != "EUR" → deny`, else allow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import mcp_types as types
+import pytest
+from mcp.shared.exceptions import MCPError
+
+from proxy.hashing import idempotency_key
+from tests.support.clickhouse import wait_rows
+from tests.support.mcp_agent import mcp_config, rid, session
+from tests.support.mcp_server import MCPServerProcess
+from tests.support.tool_agent import call, refund_tool
+from tests.support.tool_service import ToolService
+
+LARGE = "refunds over 100 need a person"
+ACCEPTANCE = [
+    {"name": "large", "when": "args.amount > 100", "effect": "approve", "reason": LARGE},
+    {"name": "non-eur", "when": "args.currency != 'EUR'", "effect": "deny", "reason": "only EUR refunds"},
+]
+
+
+def http_policy(svc: ToolService, rules: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"tools": {"refund": {**refund_tool(svc), "rules": rules}}, **extra}
+
+
+def mcp_policy(server: MCPServerProcess, rules: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return mcp_config(server, tools={"refund": {"rules": rules}}, **extra)
+
+
+async def metric(rc: Any, tool: str, effect: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(f"{rc.url}/metrics", headers=rc.admin) as r:
+        text = await r.text()
+    line = f'runcap_policy_decisions_total{{effect="{effect}",tool="{tool}"}} '
+    return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
+def executions(server: MCPServerProcess, **args: Any) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in server.stats()["executions"]
+        if e["tool"] == "refund" and all(e["args"].get(k) == v for k, v in args.items())
+    ]
+
+
+# -- /tools ---------------------------------------------------------------------------------------
+
+
+async def test_http_acceptance_policy(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    rc = await runcap_factory(http_policy(tool, ACCEPTANCE))
+    url, run = f"{rc.url}/tools/refund", rid("pol")
+    status, _, body = await call(url, run, {"order_id": "o-1", "amount": 20, "currency": "EUR"})
+    assert status == 200 and body["execution"] == 1  # a small EUR refund executes at once
+
+    status, headers, body = await call(url, run, {"order_id": "o-2", "amount": 20, "currency": "USD"})
+    assert status == 403 and headers["x-should-retry"] == "false"
+    assert body["error"]["type"] == "tool_call_denied" and body["error"]["param"] == "non-eur"
+    assert "rule 'non-eur'" in body["error"]["message"] and "only EUR refunds" in body["error"]["message"]
+    # Nothing of it reached the tool, nor the ledger: no idempotency record, not counted.
+    assert tool.executions == 1
+    key = idempotency_key(run, "refund", {"order_id": "o-2", "amount": 20}, None)
+    assert headers["Idempotency-Key"] == key and await rc.ledger.get_tool_call(run, key) is None
+    assert (await rc.run(run))["tool_calls_executed"] == 1
+
+    # A large one needs a person; with no approval store it is refused, never executed.
+    status, _, body = await call(url, run, {"order_id": "o-3", "amount": 500, "currency": "EUR"})
+    assert status == 403 and body["error"]["type"] == "approval_unavailable"
+    assert "rule 'large'" in body["error"]["message"] and LARGE in body["error"]["message"]
+    assert tool.executions == 1
+    assert [await metric(rc, "refund", e) for e in ("allow", "deny", "approve")] == [1, 1, 1]
+
+
+async def test_http_rule_that_cannot_be_evaluated_denies(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    rc = await runcap_factory(http_policy(tool, ACCEPTANCE, tracing=True))
+    url, run = f"{rc.url}/tools/refund", rid("closed")
+    # No amount: `args.amount > 100` has no value to compare. Fail closed, and say why.
+    status, _, body = await call(url, run, {"order_id": "o-1", "currency": "EUR"})
+    assert status == 403 and body["error"]["type"] == "tool_call_denied"
+    assert "rule 'large' could not be evaluated" in body["error"]["message"]
+    assert "Key not found in map" in body["error"]["message"]
+    # An argument of another type: the same.
+    status, _, body = await call(url, run, {"order_id": "o-1", "amount": "lots", "currency": "EUR"})
+    assert status == 403 and "No matching overloads" in body["error"]["message"]
+    assert tool.executions == 0 and await metric(rc, "refund", "error") == 2
+    rows = await wait_rows(
+        rc,
+        "SELECT status_code, attributes['policy.rule'] AS rule, attributes['policy.effect'] AS effect, "
+        "attributes['policy.error'] AS error, attributes['tool.reached'] AS reached FROM runcap.spans "
+        f"WHERE run_id = '{run}' AND kind = 'tool' ORDER BY started_at",
+        2,
+    )
+    seen = [(r["status_code"], r["rule"], r["effect"], r["reached"]) for r in rows]
+    assert seen == [(403, "large", "deny", "false")] * 2
+    assert "Key not found in map" in rows[0]["error"] and "No matching overloads" in rows[1]["error"]
+
+
+async def test_http_rules_on_method_path_and_the_runs_state(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    rules = [
+        {"name": "no-delete", "when": "method == 'DELETE'", "effect": "deny", "reason": "refunds are final"},
+        {"name": "third", "when": "run.tool_calls >= 2 && run.task == 'triage'", "effect": "deny"},
+    ]
+    rc = await runcap_factory(http_policy(tool, rules))
+    url, run = f"{rc.url}/tools/refund", rid("state")
+    status, _, body = await call(f"{url}/r-1", run, method="DELETE")
+    assert status == 403 and "refunds are final" in body["error"]["message"]
+    h = {"X-Run-Task": "triage"}
+    for i in range(2):
+        status, _, _ = await call(url, run, {"order_id": f"o-{i}", "amount": 1}, headers=h)
+        assert status == 200
+    status, _, body = await call(url, run, {"order_id": "o-9", "amount": 1}, headers=h)
+    assert status == 403 and body["error"]["param"] == "third"
+    assert "the operator's policy denies it" in body["error"]["message"]  # a rule without a reason
+    other = rid("other")  # another task's run is not bound by it
+    for i in range(3):
+        assert (await call(url, other, {"order_id": f"o-{i}", "amount": 1}))[0] == 200
+    assert tool.executions == 5
+
+
+async def test_cap_rule_counts_across_two_replicas_on_redis(runcap_factory, tool, redis_server, tmp_path):  # type: ignore[no-untyped-def]
+    rules = [
+        {"name": "non-eur", "when": "args.currency != 'EUR'", "effect": "deny", "reason": "only EUR"},
+        {"name": "two-refunds", "when": "true", "effect": "cap", "max_calls": 2, "reason": "two per run"},
+    ]
+    cfg = http_policy(tool, rules, redis_url=redis_server.url)
+    a = await runcap_factory(cfg, data_dir=tmp_path / "a")
+    b = await runcap_factory(cfg, data_dir=tmp_path / "b")
+    run = rid("cap")
+    first = {"order_id": "o-1", "amount": 5, "currency": "EUR"}
+    assert (await call(f"{a.url}/tools/refund", run, first))[0] == 200
+    # A denied call (an earlier rule decides) is not one of the cap's.
+    assert (await call(f"{b.url}/tools/refund", run, {**first, "currency": "USD"}))[0] == 403
+    assert (await call(f"{b.url}/tools/refund", run, {**first, "order_id": "o-2"}))[0] == 200
+    # The same call again, on the other replica: replayed from its record, not counted again.
+    status, headers, _ = await call(f"{b.url}/tools/refund", run, first)
+    assert status == 200 and headers["X-Idempotent-Replay"] == "true"
+    status, _, body = await call(f"{a.url}/tools/refund", run, {**first, "order_id": "o-3"})
+    assert status == 403 and body["error"]["param"] == "two-refunds"
+    message = body["error"]["message"]
+    assert "allows 2 such calls per run" in message and "two per run" in message
+    assert tool.executions == 2
+    # Another run has its own count.
+    assert (await call(f"{b.url}/tools/refund", rid("cap2"), first))[0] == 200
+
+
+async def test_cap_claim_is_given_back_when_the_ledger_refuses(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    rules = [{"name": "one-large", "when": "args.amount > 10", "effect": "cap", "max_calls": 1}]
+    rc = await runcap_factory(http_policy(tool, rules))
+    url, run = f"{rc.url}/tools/refund", rid("give")
+    mine = {"Idempotency-Key": "caller-key-1"}
+    assert (await call(url, run, {"order_id": "o-1", "amount": 5}, headers=mine))[0] == 200
+    # The rule counts this one, then the ledger refuses it (the caller's key reused for another
+    # operation): never executed, so the count is given back ...
+    status, _, body = await call(url, run, {"order_id": "o-2", "amount": 50}, headers=mine)
+    assert status == 422 and body["error"]["type"] == "idempotency_key_reused"
+    # ... and the rule's one call is still there.
+    assert (await call(url, run, {"order_id": "o-3", "amount": 50}))[0] == 200
+    status, _, body = await call(url, run, {"order_id": "o-4", "amount": 50})
+    assert status == 403 and body["error"]["param"] == "one-large"
+    assert tool.executions == 2
+
+
+# -- MCP --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["stateful-sse", "stateless-json"])
+async def test_mcp_acceptance_policy(kind, servers, runcap_factory):  # type: ignore[no-untyped-def]
+    server = servers(kind)
+    rc = await runcap_factory(mcp_policy(server, ACCEPTANCE))
+    run = rid(f"mcp-pol-{kind}")
+    small, foreign, large = rid("small"), rid("foreign"), rid("large")
+    async with session(f"{rc.url}/mcp/crm", run) as s:
+        ok = await s.call_tool("refund", {"order_id": small, "amount": 20, "currency": "EUR"})
+        assert not ok.is_error and len(executions(server, order_id=small)) == 1
+        denied = await s.call_tool("refund", {"order_id": foreign, "amount": 20, "currency": "USD"})
+        # A result the model reads, not a protocol error: the rule and its reason as text.
+        assert denied.is_error
+        text = denied.content[0]
+        assert isinstance(text, types.TextContent)
+        assert "only EUR refunds" in text.text and "'non-eur'" in text.text
+        assert denied.meta is not None
+        refusal = denied.meta["runcap/refusal"]
+        assert refusal["type"] == "tool_call_denied" and refusal["rule"] == "non-eur"
+        with pytest.raises(MCPError) as e:  # approval needed, no approval store: a refusal
+            await s.call_tool("refund", {"order_id": large, "amount": 500, "currency": "EUR"})
+        assert LARGE in str(e.value) and "no approval store" in str(e.value)
+        # Another tool of the server has no rules: untouched.
+        assert not (await s.call_tool("lookup", {"order_id": small})).is_error
+    assert executions(server, order_id=foreign) == [] and executions(server, order_id=large) == []
+    assert (await rc.run(run))["tool_calls_executed"] == 2
+    assert [await metric(rc, "mcp:crm/refund", e) for e in ("allow", "deny", "approve")] == [1, 1, 1]
+
+
+async def test_mcp_rule_reads_tool_and_server_and_fails_closed(servers, runcap_factory):  # type: ignore[no-untyped-def]
+    server = servers("stateless-json")
+    rules = [
+        {"name": "crm-only", "when": "tool.server != 'crm' || tool.name != 'refund'", "effect": "deny"},
+        {"name": "small", "when": "args.amount <= 100 && args.reason.startsWith('late')", "effect": "allow"},
+        {"name": "rest", "when": "true", "effect": "deny", "reason": "only small late refunds"},
+    ]
+    rc = await runcap_factory(mcp_policy(server, rules))
+    run, order = rid("mcp-closed"), rid("o")
+    async with session(f"{rc.url}/mcp/crm", run) as s:
+        ok = await s.call_tool("refund", {"order_id": order, "amount": 5, "reason": "late delivery"})
+        assert not ok.is_error
+        other = await s.call_tool("refund", {"order_id": order, "amount": 5, "reason": "changed mind"})
+        assert other.is_error and "only small late refunds" in other.content[0].text  # type: ignore[union-attr]
+        # No reason argument: rule "small" cannot be evaluated, and the call is denied.
+        broken = await s.call_tool("refund", {"order_id": rid("o"), "amount": 5})
+        assert broken.is_error and "rule 'small' could not be evaluated" in broken.content[0].text  # type: ignore[union-attr]
+    assert len(executions(server, order_id=order)) == 1
+    assert await metric(rc, "mcp:crm/refund", "error") == 1
