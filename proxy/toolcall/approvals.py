@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+
 import orjson
 
 from proxy.config import ApprovalSettings

@@ -22,7 +22,7 @@ from proxy.toolcall.call import ToolCall
 from proxy.toolcall.policy import PolicyDecision
 
 
-def Decision(mode: str = "wait") -> PolicyDecision:  # noqa: N802 - reads as the value it builds
+def Decision(mode: str = "wait") -> PolicyDecision:
     """The policy's decision to hold a call for a person (what PolicyCheck hands the gate)."""
     return PolicyDecision("approve", "large", "refunds over 100 need a person", mode)
 
