@@ -53,10 +53,10 @@ from proxy.ledger.base import (
     ToolCallRequest,
 )
 from proxy.server.outbound import run_deadline
-from proxy.spans.model import Span
+from proxy.spans.model import Payload, Span
 from proxy.spans.recorder import SpanRecorder
 from proxy.toolcall.call import ToolCall
-from proxy.toolcall.policy import PolicyDecision
+from proxy.toolcall.policy import PolicyDecision, ToolCallDenied
 from proxy.toolcall.webhook import ApprovalWebhook
 
 log = logging.getLogger("runcap.approvals")
@@ -82,12 +82,11 @@ class ApprovalRequired(Rejection):
         return orjson.dumps(body)
 
 
-class ApprovalDenied(Rejection):
+class ApprovalDenied(ToolCallDenied):
     """A person said no (code `approval_denied`), or nobody said anything in time
-    (`approval_expired`): the call never reaches the tool."""
+    (`approval_expired`): the call never reaches the tool. A `ToolCallDenied`, so MCP answers it
+    as the rule's denials are: a `tools/call` result with `isError: true` the model reads."""
 
-    status = 403
-    type = "tool_call_denied"
     code = "approval_denied"
 
 
@@ -153,7 +152,10 @@ class ApprovalDesk:
         )  # fmt: skip
         call.attributes["approval.id"] = approval.id
         if new:
-            self._record(approval, call, "requested", decision.mode)
+            # The call's body goes with the request's span (shipped now, not when the call ends):
+            # `runcap approvals` reads the arguments from the payload store.
+            bodies, call.bodies = call.bodies, []
+            self._record(approval, call, "requested", decision.mode, bodies=bodies)
             self.webhook.announce(approval)
         started = time.perf_counter()
         if approval.state == PENDING and decision.mode == "defer":
@@ -228,9 +230,12 @@ class ApprovalDesk:
         if approval.state == DENIED:
             by = f" by {approval.by}" if approval.by else ""
             why = approval.reason or "no reason given"
+            rule = f" (rule {approval.rule!r}: {approval.rule_reason})" if approval.rule_reason else ""
             return ApprovalDenied(
-                f"tool {req.tool!r}: approval {approval.id} was denied{by}: {why}; "
-                "the call was not executed and will not be — do something else"
+                f"tool {req.tool!r}: this call needed a person's approval{rule}; approval {approval.id} "
+                f"was denied{by}: {why}; "
+                "the call was not executed and will not be — do something else",
+                param=approval.rule or None,
             )
         if deadline is not None and time.time() >= deadline - 0.001:
             return DeadlineExceeded(
@@ -262,8 +267,9 @@ class ApprovalDesk:
     # -- the record --------------------------------------------------------------------------------
 
     def _record(
-        self, approval: Approval, call: ToolCall | None, event: str, mode: str, waited_ms: float | None = None
-    ) -> None:
+        self, approval: Approval, call: ToolCall | None, event: str, mode: str,
+        waited_ms: float | None = None, bodies: list[Payload] | None = None,
+    ) -> None:  # fmt: skip
         """An `approval` span: the request (`requested`), a person's decision (`decided`, its
         duration the time from request to decision), the end of a held call's wait (`released` /
         `refused`, its duration the wait)."""
@@ -301,7 +307,9 @@ class ApprovalDesk:
                         request_hash=approval.request_hash,
                         attributes=attributes,
                     )
-                ]
+                ],
+                None,
+                bodies or (),
             )
         except Exception:
             log.exception("could not record the approval span of %s", approval.id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Any
 
 import aiohttp
 import pytest
@@ -20,6 +19,7 @@ from proxy.ledger.base import APPROVED, DENIED, PENDING, ToolCallRequest
 from proxy.toolcall.approvals import ApprovalDenied, ApprovalDesk, ApprovalRequired
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.policy import PolicyDecision
+from tests.support.approvals import decide, listed, until_pending
 
 
 def Decision(mode: str = "wait") -> PolicyDecision:
@@ -32,30 +32,6 @@ def held_call(run_id: str, key: str, *, deadline: float | None = None) -> tuple[
     call = ToolCall("refund", run=RunRequest(run_id, False, "t", caps), args_hash=f"sha-{key}")
     call.key = key
     return call, ToolCallRequest(run_id, "t", caps, time.time(), "refund", key, f"sha-{key}")
-
-
-async def listed(s: aiohttp.ClientSession, url: str, headers: dict[str, str], **query: str) -> list[Any]:
-    async with s.get(f"{url}/approvals", params=query, headers=headers) as r:
-        assert r.status == 200, await r.text()
-        return (await r.json())["approvals"]
-
-
-async def until_pending(
-    s: aiohttp.ClientSession, url: str, headers: dict[str, str], run: str, n: int = 1
-) -> list[Any]:
-    """The run's pending approvals, once there are `n` (the held calls asked)."""
-    for _ in range(2000):
-        rows = await listed(s, url, headers, run=run)
-        if len(rows) >= n:
-            return rows
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"{n} approvals never became pending for run {run}")
-
-
-async def decide(s: aiohttp.ClientSession, url: str, headers: dict[str, str], approval_id: str,
-                 **body: str) -> tuple[int, Any]:  # fmt: skip
-    async with s.post(f"{url}/approvals/{approval_id}", json=body, headers=headers) as r:
-        return r.status, await r.json()
 
 
 async def test_wait_releases_exactly_the_approved_call(runcap) -> None:  # type: ignore[no-untyped-def]
