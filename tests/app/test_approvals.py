@@ -9,17 +9,22 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from proxy.caps import RunCaps, RunRequest
 from proxy.errors import DeadlineExceeded, RunCancelled
+from proxy.hashing import args_hash
 from proxy.ledger.base import APPROVED, DENIED, PENDING, ToolCallRequest
 from proxy.toolcall.approvals import ApprovalDenied, ApprovalDesk, ApprovalRequired
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.policy import PolicyDecision
 from tests.support.approvals import decide, listed, until_pending
+from tests.support.tool_agent import call, refund_tool
+from tests.support.tool_service import ToolService
 
 
 def Decision(mode: str = "wait") -> PolicyDecision:
@@ -156,3 +161,70 @@ async def test_tenants_see_and_decide_only_their_own(runcap_factory) -> None:  #
         assert status == 200 and record["by"] == "acme: dana" and record["run_id"] == "r1"
         async with s.get(f"{rc.url}/approvals", headers={"X-Run-Client-Token": "nope"}) as r:
             assert r.status == 401
+
+
+# -- through /tools, with the tool's rules (toolcall/policy.py) ------------------------------------
+
+LARGE = {"name": "large", "when": "args.amount > 100", "effect": "approve", "reason": "over 100"}
+
+
+def refund_with(svc: ToolService, **rule: str) -> dict[str, Any]:
+    return {"tools": {"refund": {**refund_tool(svc), "rules": [{**LARGE, **rule}]}}}
+
+
+async def test_tools_call_held_on_one_replica_approved_on_another(  # type: ignore[no-untyped-def]
+    runcap_factory, redis_server, tool, tmp_path
+) -> None:
+    extra = {**refund_with(tool), "redis_url": redis_server.url}
+    a = await runcap_factory(extra, data_dir=tmp_path / "a")
+    b = await runcap_factory(extra, data_dir=tmp_path / "b")
+    run = f"run-{secrets.token_hex(4)}"
+    first = asyncio.create_task(call(f"{a.url}/tools/refund", run, {"order_id": "o-1", "amount": 500}))
+    second = asyncio.create_task(call(f"{a.url}/tools/refund", run, {"order_id": "o-1", "amount": 700}))
+    small = await call(f"{a.url}/tools/refund", run, {"order_id": "o-2", "amount": 20})
+    assert small[0] == 200 and tool.executions == 1  # no rule holds: at once
+    async with aiohttp.ClientSession() as s:
+        rows = {r["args_hash"]: r for r in await until_pending(s, b.url, b.admin, run, 2)}
+        first_id = rows[args_hash(orjson.dumps({"order_id": "o-1", "amount": 500}))]["id"]
+        status, _ = await decide(s, b.url, b.admin, first_id, decision="approve", by="carol")
+        assert status == 200
+        status, _, body = await asyncio.wait_for(first, timeout=10)
+        assert status == 200 and body["execution"] == 2
+        assert not second.done() and tool.executions == 2  # the same tool, other arguments: held
+        # the approved call sent again (to either replica) is replayed, not executed again
+        status, headers, _ = await call(f"{b.url}/tools/refund", run, {"order_id": "o-1", "amount": 500})
+        assert status == 200 and headers.get("X-Idempotent-Replay") == "true" and tool.executions == 2
+        # cancelling the run (on B) ends the wait on A: a clear 410, and nothing executed
+        async with s.post(f"{b.url}/runs/{run}/cancel", headers=b.admin) as r:
+            assert r.status == 200
+    status, _, body = await asyncio.wait_for(second, timeout=10)
+    assert status == 410 and body["error"]["type"] == "run_cancelled", body
+    assert "waited for a person's approval" in body["error"]["message"]
+    assert tool.executions == 2
+
+
+async def test_tools_call_held_until_the_runs_deadline(runcap_factory, tool) -> None:  # type: ignore[no-untyped-def]
+    rc = await runcap_factory(refund_with(tool))
+    run = f"run-{secrets.token_hex(4)}"
+    status, _, body = await call(
+        f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500}, headers={"X-Run-Timeout": "1"}
+    )
+    assert status == 504 and body["error"]["type"] == "run_deadline_exceeded", body
+    assert "waited for a person's approval" in body["error"]["message"] and tool.executions == 0
+    async with aiohttp.ClientSession() as s:
+        [row] = await listed(s, rc.url, rc.admin, run=run, state="all")
+    assert row["state"] == "expired"
+
+
+async def test_tools_defer_then_approve_executes_once(runcap_factory, tool) -> None:  # type: ignore[no-untyped-def]
+    rc = await runcap_factory(refund_with(tool, mode="defer"))
+    run, big = f"run-{secrets.token_hex(4)}", {"order_id": "o-1", "amount": 500}
+    status, headers, body = await call(f"{rc.url}/tools/refund", run, big)
+    assert status == 428 and headers["Retry-After"] == "30" and headers["x-should-retry"] == "false"
+    approval_id = body["error"]["approval_id"]
+    assert body["error"]["type"] == "approval_required" and approval_id in body["error"]["message"]
+    assert tool.executions == 0
+    async with aiohttp.ClientSession() as s:
+        assert (await decide(s, rc.url, rc.admin, approval_id, decision="approve"))[0] == 200
+    results = await asyncio.gather(*(call(f"{rc.url}/tools/refund", run, big) for _ in range(5)))
+    assert {r[0] for r in results} == {200} and tool.executions == 1
