@@ -199,9 +199,12 @@ class ApprovalDesk:
         try:
             while approval.state == PENDING:
                 now = time.time()
+                if deadline is not None and now >= deadline:
+                    break  # the run's deadline ends the wait whatever the approval's expiry says
                 pause = self.poll_s
-                if approval.expires_at is not None:
-                    pause = min(pause, max(0.0, approval.expires_at - now) + 0.001)
+                for end in (approval.expires_at, deadline):
+                    if end is not None:
+                        pause = min(pause, max(0.0, end - now) + 0.001)
                 if keepalive is not None:
                     pause = min(pause, max(0.0, next_beat - time.monotonic()))
                 try:

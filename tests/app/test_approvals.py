@@ -206,9 +206,8 @@ async def test_tools_call_held_on_one_replica_approved_on_another(  # type: igno
 async def test_tools_call_held_until_the_runs_deadline(runcap_factory, tool) -> None:  # type: ignore[no-untyped-def]
     rc = await runcap_factory(refund_with(tool))
     run = f"run-{secrets.token_hex(4)}"
-    status, _, body = await call(
-        f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500}, headers={"X-Run-Timeout": "1"}
-    )
+    big, timeout = {"order_id": "o-1", "amount": 500}, {"X-Run-Timeout": "1"}
+    status, _, body = await asyncio.wait_for(call(f"{rc.url}/tools/refund", run, big, headers=timeout), 10)
     assert status == 504 and body["error"]["type"] == "run_deadline_exceeded", body
     assert "waited for a person's approval" in body["error"]["message"] and tool.executions == 0
     async with aiohttp.ClientSession() as s:
