@@ -19,10 +19,12 @@ from proxy.caps import RunCaps, RunRequest
 from proxy.errors import DeadlineExceeded, RunCancelled
 from proxy.hashing import args_hash
 from proxy.ledger.base import APPROVED, DENIED, PENDING, ToolCallRequest
+from proxy.queryfiles import load_query
 from proxy.toolcall.approvals import ApprovalDenied, ApprovalDesk, ApprovalRequired
 from proxy.toolcall.call import ToolCall
 from proxy.toolcall.policy import PolicyDecision
 from tests.support.approvals import decide, listed, until_pending
+from tests.support.clickhouse import sql, wait_rows
 from tests.support.tool_agent import call, refund_tool
 from tests.support.tool_service import ToolService
 
@@ -227,3 +229,35 @@ async def test_tools_defer_then_approve_executes_once(runcap_factory, tool) -> N
         assert (await decide(s, rc.url, rc.admin, approval_id, decision="approve"))[0] == 200
     results = await asyncio.gather(*(call(f"{rc.url}/tools/refund", run, big) for _ in range(5)))
     assert {r[0] for r in results} == {200} and tool.executions == 1
+
+
+async def test_the_approvals_query_says_who_decided_and_how_long_the_run_waited(  # type: ignore[no-untyped-def]
+    runcap_factory, tool
+) -> None:
+    """queries/approvals.sql on the embedded span store (chdb), on approval spans the gate wrote."""
+    rc = await runcap_factory({**refund_with(tool), "tracing": True})
+    run = f"run-{secrets.token_hex(4)}"
+    url = f"{rc.url}/tools/refund"
+    held = asyncio.create_task(call(url, run, {"order_id": "o-1", "amount": 500}))
+    async with aiohttp.ClientSession() as s:
+        [first] = await until_pending(s, rc.url, rc.admin, run)
+        assert (await decide(s, rc.url, rc.admin, first["id"], decision="approve", by="alice"))[0] == 200
+        assert (await asyncio.wait_for(held, 10))[0] == 200
+        refused = asyncio.create_task(call(url, run, {"order_id": "o-2", "amount": 900}))
+        second = next(r for r in await until_pending(s, rc.url, rc.admin, run) if r["id"] != first["id"])
+        await decide(s, rc.url, rc.admin, second["id"], decision="deny", by="bob", reason="duplicate")
+        assert (await asyncio.wait_for(refused, 10))[0] == 403
+    # requested + decided + released, requested + decided + refused
+    await wait_rows(rc, f"SELECT 1 FROM runcap.spans WHERE kind = 'approval' AND run_id = '{run}'", 6)
+    query = load_query("approvals")
+    params = {"since": "2000-01-01 00:00:00", "run_id": run, "state": ""}
+    rows = await sql(rc, query.sql, params)
+    columns = ("approval_id", "state", "decided_by", "reason", "held_calls", "rule")
+    seen = [tuple(r[c] for c in columns) for r in rows]
+    assert seen == [
+        (first["id"], "approved", "alice", "", 1, "large"),
+        (second["id"], "denied", "bob", "duplicate", 0, "large"),
+    ]
+    assert all(r["waited_ms"] > 0 and r["tool_name"] == "refund" for r in rows)
+    denied = await sql(rc, query.sql, {**params, "state": "denied"})
+    assert [r["approval_id"] for r in denied] == [second["id"]]
