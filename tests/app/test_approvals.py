@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from proxy.caps import RunCaps, RunRequest
 from proxy.errors import DeadlineExceeded, RunCancelled
@@ -261,3 +262,55 @@ async def test_the_approvals_query_says_who_decided_and_how_long_the_run_waited(
     assert all(r["waited_ms"] > 0 and r["tool_name"] == "refund" for r in rows)
     denied = await sql(rc, query.sql, {**params, "state": "denied"})
     assert [r["approval_id"] for r in denied] == [second["id"]]
+
+
+async def test_the_webhook_announces_each_pending_approval_and_retries(  # type: ignore[no-untyped-def]
+    runcap_factory, tool, tmp_path
+) -> None:
+    """A real receiver that fails its first delivery: the announcement is retried; a receiver that
+    is down is logged and counted, and the agent's answer never waits for it."""
+    got: list[Any] = []
+    delivered = asyncio.Event()
+
+    async def receive(request: web.Request) -> web.Response:
+        got.append(await request.json())
+        if len(got) == 1:
+            return web.Response(status=503)
+        delivered.set()
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/hook", receive)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        hook = f"http://127.0.0.1:{runner.addresses[0][1]}/hook"
+        announced = {**refund_with(tool, mode="defer"), "approvals": {"approval_webhook_url": hook}}
+        rc = await runcap_factory(announced, data_dir=tmp_path / "a")
+        run = f"run-{secrets.token_hex(4)}"
+        status, _, body = await call(f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500})
+        assert status == 428
+        await asyncio.wait_for(delivered.wait(), timeout=10)
+        assert len(got) == 2 and got[0] == got[1]
+        sent = got[1]
+        assert (sent["id"], sent["run_id"], sent["tool"], sent["rule"]) == (
+            body["error"]["approval_id"], run, "refund", "large",
+        )  # fmt: skip
+        assert sent["args_hash"] == args_hash(orjson.dumps({"order_id": "o-1", "amount": 500}))
+        assert "order_id" not in orjson.dumps(sent).decode()  # the hash, never the arguments
+        desk: ApprovalDesk = rc.runtime.approvals
+        assert (desk.webhook.sent, desk.webhook.failures) == (1, 0)
+    finally:
+        await runner.cleanup()
+
+    down = await runcap_factory(announced, data_dir=tmp_path / "b")  # the receiver is gone now
+    status, _, _ = await call(f"{down.url}/tools/refund", run, {"order_id": "o-9", "amount": 900})
+    assert status == 428  # answered while the webhook is still trying
+    webhook = down.runtime.approvals.webhook
+    for _ in range(200):
+        if webhook.failures:
+            break
+        await asyncio.sleep(0.05)
+    assert (webhook.sent, webhook.failures) == (0, 1)
