@@ -153,7 +153,8 @@ def build_app(
     tool_client = ToolClient()
     # Where a tool call a rule sends to a person waits (toolcall/approvals.py, the ledger's approvals).
     gate = rt.approvals
-    ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate).add_to(app)
+    tools = ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate)
+    tools.add_to(app)
     # /mcp/{name}
     MCPGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate).add_to(app)
     tool_client.add_to(app)  # after the gateways: closed after their clean-up
@@ -228,7 +229,9 @@ def build_app(
         # read reserves and counts nothing.
         steps = Pipeline([TenantObjects(ledger), context, budget, MetricsStep(metrics)])
         if config.spans.tracing:
-            steps.append(TraceStep(spans.recorder))
+            # A call the model requests that a tool's rules would deny is on its tool_call span.
+            judge = tools.policy.judge_requested if tools.policy.policies else None
+            steps.append(TraceStep(spans.recorder, judge))
         if config.log_requests:
             steps.append(AccessLogStep())
         rt.forwarder = Forwarder(config, rt.client, steps, rt.flights, metrics)

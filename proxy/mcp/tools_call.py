@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -206,6 +207,7 @@ class MCPToolCalls:
             admission = ADMITTED
             if self.route.policy.has_rules(qualified):
                 admission = await self.route.policy.admit(call, req, run, args=arguments, server=server.name)
+                req = replace(req, now=time.time())  # an approval may have been waited for
             try:
                 if limit is not None and call.key is None:
                     await self._claim(server, name, limit, run)

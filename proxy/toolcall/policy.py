@@ -36,7 +36,8 @@ from proxy.caps import RunCaps, RunRequest
 from proxy.config import Config
 from proxy.config.rules import ToolRule, environment
 from proxy.errors import BudgetExceeded, Rejection
-from proxy.ledger.base import Ledger, ToolCallRequest
+from proxy.hashing import parse_json
+from proxy.ledger.base import Ledger, RunState, ToolCallRequest
 from proxy.server.metrics import Metrics
 from proxy.toolcall.call import ToolCall
 
@@ -71,19 +72,65 @@ class Verdict:
 
 
 class ToolPolicy:
-    """One tool's compiled rules, in order."""
+    """One tool's compiled rules, in order. Evaluated in chunks: each chunk is one CEL program,
+    `(when0) ? 0 : ((when1) ? 1 : ... -1)`, that gives the index of the first of its rules that
+    holds — one call into CEL for up to `CHUNK` rules instead of one per rule (about half the cost
+    of ten rules). The semantics are the rules' one by one: a rule is evaluated only when the ones
+    before it are false, and an error in one (which fails the whole chunk) is told apart by
+    evaluating that chunk's rules one by one (`_diagnose`)."""
+
+    CHUNK = 16  # rules per program; cel-cpp's recursion limit (32) bounds how deep one may nest
 
     def __init__(self, rules: tuple[ToolRule, ...], *, http: bool) -> None:
         self.rules = rules
         self.env = environment(http=http)  # the one the rules were compiled in
         self.needs_state = any(r.needs_state for r in rules)
+        self.chunks: list[tuple[int, int, Any]] = []  # (first rule, rules, program)
+        at = 0
+        while at < len(rules):
+            size = min(self.CHUNK, len(rules) - at)
+            while True:
+                program = self._combined(at, size)
+                if program is not None or size == 1:
+                    break
+                size //= 2  # deep conditions: fewer per program
+            self.chunks.append((at, size, program))
+            at += size
+
+    def _combined(self, at: int, size: int) -> Any:
+        expression = "-1"
+        for index in range(at + size - 1, at - 1, -1):
+            expression = f"({self.rules[index].when}) ? {index} : ({expression})"
+        try:
+            return self.env.compile(expression)
+        except RuntimeError:
+            return None  # past the recursion limit: that rule is evaluated on its own
 
     def decide(self, variables: Mapping[str, Any]) -> Verdict:
         try:
             activation = self.env.Activation(variables)
         except Exception as e:  # arguments CEL cannot hold: nothing can be decided on them
             return Verdict(self.rules[0], f"the arguments cannot be evaluated: {e}")
-        for rule in self.rules:
+        for at, size, program in self.chunks:
+            if program is None:
+                verdict = self._diagnose(activation, at, size)
+            else:
+                try:
+                    value = program.eval(activation).value()
+                except Exception:
+                    value = None
+                if value == -1:
+                    continue
+                if type(value) is int:
+                    return Verdict(self.rules[value])
+                verdict = self._diagnose(activation, at, size)  # an error value: whose?
+            if verdict.rule is not None:
+                return verdict
+        return Verdict(None)
+
+    def _diagnose(self, activation: Any, at: int, size: int) -> Verdict:
+        """The chunk's rules one by one: the first that holds, or the first that fails."""
+        for rule in self.rules[at : at + size]:
             try:
                 value = rule.program.eval(activation).value()
             except Exception as e:
@@ -93,6 +140,16 @@ class ToolPolicy:
             if value is not False:  # an error value (its text), or not a bool at all
                 return Verdict(rule, value if isinstance(value, str) else f"the condition gave {value!r}")
         return Verdict(None)
+
+
+def _state_variables(state: RunState) -> dict[str, Any]:
+    steps = state.steps
+    return {
+        "run.spent_usd": state.spent_usd_nanos / 1e9,
+        "run.steps": steps,
+        "run.step": steps,
+        "run.tool_calls": state.tool_calls,
+    }
 
 
 class Admission:
@@ -150,16 +207,12 @@ class PolicyCheck:
         policy = self.policies.get(req.tool)
         if policy is None:
             return ADMITTED
-        variables = self._variables(policy, req, run, args, call.tool, server, method, path)
+        variables = self._variables(run, args, call.tool, server, method, path)
         if policy.needs_state:
             state = await self.metrics.timed_ledger_op(
                 "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
             )
-            steps = state.steps
-            variables.update(
-                {"run.spent_usd": state.spent_usd_nanos / 1e9, "run.steps": steps, "run.step": steps,
-                 "run.tool_calls": state.tool_calls}
-            )  # fmt: skip
+            variables.update(_state_variables(state))
         verdict = policy.decide(variables)
         rule = verdict.rule
         if rule is None:
@@ -184,9 +237,9 @@ class PolicyCheck:
         return ADMITTED
 
     def _variables(
-        self, policy: ToolPolicy, req: ToolCallRequest, run: RunRequest, args: Any, tool: str, server: str,
-        method: str, path: str,
-    ) -> dict[str, Any]:  # fmt: skip
+        self, run: RunRequest, args: Any, tool: str, server: str, method: str, path: str
+    ) -> dict[str, Any]:
+        """What a rule reads of the call (the run's state is added when a rule reads it)."""
         tenant, _, own_id = run.run_id.partition(":") if self.tenants else ("", "", run.run_id)
         variables: dict[str, Any] = {
             "args": args if isinstance(args, dict) else {},
@@ -200,6 +253,34 @@ class PolicyCheck:
             variables["method"] = method
             variables["path"] = path
         return variables
+
+    def judge_requested(
+        self, name: str, arguments: str, provider: bool, run: RunRequest, state: RunState | None
+    ) -> dict[str, str]:
+        """What the rules would decide on a call the model requested in its answer — recorded on
+        its `tool_call` span (`policy.enforced` = `false`), never enforced there: a function call
+        the agent executes is decided when it comes through `/tools` (same name) or `/mcp`; one
+        the provider executed (`server_label/tool`, rules of `[mcp.server_label.tools.tool]`)
+        has already happened. {} when no configured tool of that name has rules."""
+        server, _, tool = name.partition("/") if provider else ("", "", name)
+        key = f"mcp:{server}/{tool}" if server else name
+        policy = self.policies.get(key)
+        if policy is None or not tool:
+            return {}
+        ok, args = parse_json(arguments)
+        variables = self._variables(run, args if ok else {}, tool, server, "POST", "")
+        if policy.needs_state and state is not None:
+            variables.update(_state_variables(state))
+        verdict = policy.decide(variables)
+        out = {"policy.enforced": "false", "policy.rule": "", "policy.effect": "allow"}
+        if verdict.rule is not None:
+            out["policy.rule"] = verdict.rule.name
+            out["policy.effect"] = "deny" if verdict.error else verdict.rule.effect
+            if verdict.error:
+                out["policy.error"] = verdict.error
+            elif verdict.rule.reason:
+                out["policy.reason"] = verdict.rule.reason
+        return out
 
     async def _claim(self, call: ToolCall, req: ToolCallRequest, rule: ToolRule) -> Admission:
         """One of the cap rule's `max_calls`: the call's key in a run of the rule's own."""

@@ -34,6 +34,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
@@ -167,6 +168,7 @@ class ToolGateway(ToolRoute):
                 admission = await self.policy.admit(
                     call, req, run, args=parsed if ok else {}, method=req.method, path=call.path
                 )
+                req = replace(req, now=time.time())  # an approval may have been waited for
             try:
                 start = await self.calls.begin(req)
             except Rejection:

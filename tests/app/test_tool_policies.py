@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import mcp_types as types
+import openai
 import pytest
 
 from proxy.hashing import idempotency_key
@@ -127,6 +128,20 @@ async def test_http_rules_on_method_path_and_the_runs_state(runcap_factory, tool
     assert tool.executions == 5
 
 
+async def test_rules_see_the_tenant_and_the_agents_own_run_id(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    rules = [{"name": "acme-r1", "when": "run.tenant == 'acme' && run.id == 'r1'", "effect": "deny"}]
+    tokens = {"acme": "acme-token-0123456789", "globex": "globex-token-0123456789"}
+    rc = await runcap_factory(http_policy(tool, rules, auth={"client_tokens": tokens}))
+    url, body = f"{rc.url}/tools/refund", {"order_id": "o-1", "amount": 1}
+
+    async def as_(tenant: str, run: str) -> int:
+        return (await call(url, run, body, headers={"X-Run-Client-Token": tokens[tenant]}))[0]
+
+    # The ledger knows acme's run as "acme:r1"; the rule reads the tenant and the id apart.
+    assert [await as_("acme", "r1"), await as_("globex", "r1"), await as_("acme", "r2")] == [403, 200, 200]
+    assert tool.executions == 2
+
+
 async def test_cap_rule_counts_across_two_replicas_on_redis(runcap_factory, tool, redis_server, tmp_path):  # type: ignore[no-untyped-def]
     rules = [
         {"name": "non-eur", "when": "args.currency != 'EUR'", "effect": "deny", "reason": "only EUR"},
@@ -226,3 +241,57 @@ async def test_mcp_rule_reads_tool_and_server_and_fails_closed(servers, runcap_f
         assert broken.is_error and "rule 'small' could not be evaluated" in broken.content[0].text  # type: ignore[union-attr]
     assert len(executions(server, order_id=order)) == 1
     assert await metric(rc, "mcp:crm/refund", "error") == 1
+
+
+# -- calls the model requests (executed by the agent or the provider, not through runcap) ---------
+
+
+async def test_requested_calls_carry_what_the_rules_would_decide(runcap_factory, upstream, tool):  # type: ignore[no-untyped-def]
+    frozen = [{"name": "frozen", "when": "args.order_id == 'A1'", "effect": "deny", "reason": "A1 is frozen"}]
+    cfg = http_policy(tool, ACCEPTANCE, tracing=True)
+    cfg["mcp"] = {"crm": {"url": "http://127.0.0.1:9/mcp", "tools": {"refund": {"rules": frozen}}}}
+    rc = await runcap_factory(cfg)
+    run = rid("asked")
+    upstream.scripts["ask"] = [{"tool_calls": [
+        {"name": "refund", "arguments": {"order_id": "o-1", "amount": 20, "currency": "USD"}},
+        {"name": "refund", "arguments": {"order_id": "o-2", "amount": 20, "currency": "EUR"}},
+        {"name": "refund", "arguments": {"order_id": "o-3"}},
+        {"name": "lookup", "arguments": {"order_id": "o-1"}},
+    ]}]  # fmt: skip
+    model = openai.AsyncOpenAI(base_url=rc.openai_url, api_key="k", max_retries=0)
+    headers = {"X-Run-Id": run, "X-Mock-Script": "ask"}
+    schema = {"type": "object"}
+    functions = [
+        {"type": "function", "function": {"name": n, "parameters": schema}} for n in ("refund", "lookup")
+    ]
+    await model.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "refund"}], extra_headers=headers,
+        tools=functions,  # type: ignore[arg-type]
+    )  # fmt: skip
+    # The provider runs a hosted MCP tool itself: crm/refund {"order_id": "A1"} (scripted).
+    upstream.scripts["hosted"] = [{"hosted_uses": 1, "use_input_tokens": 50, "text": "done"}]
+    hosted = {"type": "mcp", "server_label": "crm", "server_url": "https://crm.example/mcp"}
+    await model.responses.create(
+        model="gpt-4o-mini", input="go", tools=[hosted], max_tool_calls=1,  # type: ignore[list-item]
+        extra_headers={"X-Run-Id": run, "X-Mock-Script": "hosted"},
+    )  # fmt: skip
+    rows = await wait_rows(
+        rc,
+        "SELECT tool_name, attributes FROM runcap.spans "
+        f"WHERE run_id = '{run}' AND kind = 'tool_call' ORDER BY started_at, tool_call_id",
+        5,
+    )
+    seen = sorted(
+        (r["tool_name"], r["attributes"].get("policy.rule"), r["attributes"].get("policy.effect"),
+         r["attributes"].get("policy.enforced"), bool(r["attributes"].get("policy.error")))
+        for r in rows
+    )  # fmt: skip
+    assert seen == [
+        ("crm/refund", "frozen", "deny", "false", False),  # executed by the provider: on record only
+        ("lookup", None, None, None, False),  # a tool without rules
+        ("refund", "", "allow", "false", False),
+        ("refund", "large", "deny", "false", True),  # no amount: would fail closed
+        ("refund", "non-eur", "deny", "false", False),
+    ]
+    assert tool.executions == 0  # nothing was executed through runcap; no decision was counted
+    assert await metric(rc, "refund", "deny") == 0

@@ -35,6 +35,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from proxy.caps import RunRequest
 from proxy.errors import LedgerUnavailable
 from proxy.hashing import args_hash, canonical_json, result_hash
 from proxy.ledger.base import RunState
@@ -137,9 +138,16 @@ def context_record(
     return bodies
 
 
+# What a tool's rules would decide on a call the model requested (seen in its answer, executed by
+# the agent or the provider, not through runcap): (name, arguments, provider-executed, run, state)
+# → attributes for its `tool_call` span (toolcall/policy.py `PolicyCheck.judge_requested`).
+RequestedCallJudge = Callable[[str, str, bool, RunRequest, RunState | None], dict[str, str]]
+
+
 class TraceStep(FlowStep):
-    def __init__(self, recorder: SpanRecorder) -> None:
+    def __init__(self, recorder: SpanRecorder, judge: RequestedCallJudge | None = None) -> None:
         self.recorder = recorder
+        self.judge = judge
         self._calls = _Memory()  # (run, call id) → (step that requested it, tool name)
         self._results = _Memory()  # (run, call id) of results already recorded
         self._waiting: list[tuple[Flow, asyncio.Future[str]]] = []  # until this loop turn ends
@@ -340,6 +348,9 @@ class TraceStep(FlowStep):
             calls += [(call, {"tool.executed_by": "provider"}) for call in resp.provider_tool_calls]
             for call, extra in calls:
                 digest = args_hash(call.arguments)
+                if self.judge is not None:
+                    provider = "tool.executed_by" in extra
+                    extra = {**extra, **self.judge(call.name, call.arguments, provider, flow.run, state)}
                 spans.append(
                     child(
                         "tool_call",
