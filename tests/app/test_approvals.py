@@ -314,3 +314,24 @@ async def test_the_webhook_announces_each_pending_approval_and_retries(  # type:
             break
         await asyncio.sleep(0.05)
     assert (webhook.sent, webhook.failures) == (0, 1)
+
+
+async def test_an_approval_nobody_decides_expires_and_the_call_asks_anew(runcap_factory, tool) -> None:  # type: ignore[no-untyped-def]
+    rc = await runcap_factory({**refund_with(tool), "approvals": {"approval_ttl_s": 1.0}})
+    run, big = f"run-{secrets.token_hex(4)}", {"order_id": "o-1", "amount": 500}
+    status, _, body = await asyncio.wait_for(call(f"{rc.url}/tools/refund", run, big), 10)
+    assert status == 403 and body["error"]["code"] == "approval_expired", body
+    assert body["error"]["param"] == "approval_ttl_s" and tool.executions == 0
+    async with aiohttp.ClientSession() as s:
+        [old] = await listed(s, rc.url, rc.admin, run=run, state="expired")
+        status, err = await decide(s, rc.url, rc.admin, old["id"], decision="approve")
+        assert status == 409 and "expired" in err["error"]["message"]
+        again = asyncio.create_task(call(f"{rc.url}/tools/refund", run, big))
+        [fresh] = await until_pending(s, rc.url, rc.admin, run)
+        assert fresh["id"] != old["id"]
+        assert (await decide(s, rc.url, rc.admin, fresh["id"], decision="approve"))[0] == 200
+        assert (await asyncio.wait_for(again, 10))[0] == 200 and tool.executions == 1
+        status, err = await decide(s, rc.url, rc.admin, "f" * 32, decision="approve")
+        assert status == 404 and err["error"]["param"] == "approval_id"
+        async with s.get(f"{rc.url}/approvals", params={"state": "maybe"}, headers=rc.admin) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "state"

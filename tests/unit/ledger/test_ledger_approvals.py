@@ -90,3 +90,19 @@ async def test_cancel_denies_pending_only(make_ledger):  # type: ignore[no-untyp
     other = await led.get_approval(elsewhere.id, time.time())
     assert other is not None and other.state == PENDING
     assert [a.id for a in await led.list_approvals(time.time(), run_id="r")] == [held.id, done.id]
+
+
+def test_redis_keys_of_a_runs_approvals_share_its_slot() -> None:
+    """Redis Cluster: a script's keys must share a slot. Each write of an approval touches one key;
+    the run's own keys (record, run index) carry the run id as hash tag; the global indexes are
+    single keys written by commands of their own."""
+    from redis.crc import key_slot
+
+    from proxy.ledger.redis.approvals import ApprovalKeys
+
+    keys = ApprovalKeys("runcap:")
+    for run in ("r", "acme:ticket-4711", "a.b-c_d"):
+        own = (keys.record(run, "k1"), keys.record(run, "k2"), keys.of_run(run))
+        slots = {key_slot(k.encode()) for k in own}
+        assert slots == {key_slot(run.encode())}, run
+    assert keys.record("a", "b:c") != keys.record("a:b", "c")
