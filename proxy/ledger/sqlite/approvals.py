@@ -134,3 +134,10 @@ def deny_pending(db: sqlite3.Connection, run_id: str, now: float) -> list[base.A
             denied.append(approval)
         _save(db, approval)
     return denied
+
+
+def purge(db: sqlite3.Connection, cutoff: float) -> int:
+    """Approvals decided (or, never decided, asked) before `cutoff`: the ledger's retention, as
+    Redis lets their keys expire."""
+    sql = "DELETE FROM approvals WHERE COALESCE(decided_at, requested_at) < ?"
+    return db.execute(sql, (cutoff,)).rowcount

@@ -218,9 +218,10 @@ class SQLiteLedger(base.Ledger):
         return recovered
 
     def purge(self, now: float) -> int:
-        """Delete idempotency records, idle runs and sweeps' records older than the retention."""
+        """Delete idempotency records, idle runs, sweeps' records and approvals older than the retention."""
         with transaction(self._db) as db:
-            return recovery.purge(db, now - self.retention_s)
+            cutoff = now - self.retention_s
+            return recovery.purge(db, cutoff) + approvals.purge(db, cutoff)
 
     async def ping(self) -> None:
         with transaction(self._db) as db:

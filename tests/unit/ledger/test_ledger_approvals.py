@@ -106,3 +106,18 @@ def test_redis_keys_of_a_runs_approvals_share_its_slot() -> None:
         slots = {key_slot(k.encode()) for k in own}
         assert slots == {key_slot(run.encode())}, run
     assert keys.record("a", "b:c") != keys.record("a:b", "c")
+
+
+async def test_sqlite_purges_approvals_with_the_retention(make_ledger):  # type: ignore[no-untyped-def]
+    if make_ledger.backend != "sqlite":
+        pytest.skip("Redis: the approval keys expire after the retention (PX on every write)")
+    led = make_ledger(retention_s=60)
+    old, _ = await led.open_approval(ask())
+    await led.decide_approval(old.id, True, "alice", "", time.time())
+    kept, _ = await led.open_approval(ask(key="k2"))
+    later = time.time() + 30
+    assert led.purge(later) == 0
+    await led.decide_approval(kept.id, False, "bob", "no", later)
+    assert led.purge(time.time() + 61) == 1  # the first, decided more than 60 s before
+    assert await led.get_approval(old.id, time.time()) is None
+    assert await led.get_approval(kept.id, time.time()) is not None
