@@ -145,7 +145,9 @@ def build_app(
     )
     OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder, metrics_guard).add_to(app)
     # Tool calls a rule holds for a person, and GET/POST /approvals (toolcall/approval_routes.py).
-    rt.approvals = ApprovalDesk(ledger, config.approvals, rt.recorder, tenants=clients.enabled)
+    rt.approvals = ApprovalDesk(
+        ledger, config.approvals, rt.recorder, tenants=clients.enabled, metrics=metrics
+    )
     ApprovalRoutes(
         rt.approvals, guard, clients, data_dir=config.data_dir, s3_url=config.spans.s3_url
     ).add_to(app)

@@ -52,6 +52,7 @@ from proxy.ledger.base import (
     Ledger,
     ToolCallRequest,
 )
+from proxy.server.metrics import Metrics
 from proxy.server.outbound import run_deadline
 from proxy.spans.model import Payload, Span
 from proxy.spans.recorder import SpanRecorder
@@ -63,6 +64,14 @@ log = logging.getLogger("runcap.approvals")
 
 POLL_S = 0.25  # how soon a decision made on another replica reaches a held call
 KEEPALIVE_S = 15.0  # between two keep-alives of a held call
+# (span event, state) → the `runcap_approvals_total` event it counts as (each approval once per outcome)
+_COUNTED = {
+    ("requested", PENDING): "requested",
+    ("decided", APPROVED): "approved",
+    ("decided", DENIED): "denied",
+    ("refused", "expired"): "expired",
+    ("refused", "cancelled"): "cancelled",
+}
 
 
 class ApprovalRequired(Rejection):
@@ -109,6 +118,7 @@ class ApprovalDesk:
         recorder: SpanRecorder,
         *,
         tenants: bool = False,
+        metrics: Metrics | None = None,
         poll_s: float = POLL_S,
         keepalive_s: float = KEEPALIVE_S,
     ) -> None:
@@ -118,7 +128,11 @@ class ApprovalDesk:
         self.tenants = tenants
         self.poll_s = poll_s
         self.keepalive_s = keepalive_s
-        self.webhook = ApprovalWebhook(settings.approval_webhook_url, settings.approval_webhook_timeout_s)
+        self.metrics = metrics
+        failed = metrics.approval_webhook_failures.inc if metrics is not None else None
+        self.webhook = ApprovalWebhook(
+            settings.approval_webhook_url, settings.approval_webhook_timeout_s, on_failure=failed
+        )
         self._decided: dict[str, asyncio.Event] = {}  # approval id → set by a decision made here
 
     def tenant_of(self, run_id: str) -> str:
@@ -289,6 +303,10 @@ class ApprovalDesk:
         }
         if mode:
             attributes["approval.mode"] = mode
+        if self.metrics is not None:
+            counted = _COUNTED.get((event, "cancelled" if approval.by == CANCELLED_BY else approval.state))
+            if counted is not None:
+                self.metrics.approvals.labels(counted).inc()
         if approval.tenant:
             attributes["approval.tenant"] = approval.tenant
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -26,8 +27,11 @@ PAUSES_S = (0.5, 2.0)
 
 
 class ApprovalWebhook:
-    def __init__(self, url: str | None, timeout_s: float) -> None:
+    def __init__(
+        self, url: str | None, timeout_s: float, on_failure: Callable[[], None] | None = None
+    ) -> None:
         self.url = url
+        self.on_failure = on_failure  # counts it (runcap_approval_webhook_failures_total)
         self.timeout_s = timeout_s
         self.failures = 0  # announcements that reached nobody after every attempt
         self.sent = 0
@@ -68,6 +72,8 @@ class ApprovalWebhook:
             if attempt < len(PAUSES_S):
                 await asyncio.sleep(PAUSES_S[attempt])
         self.failures += 1
+        if self.on_failure is not None:
+            self.on_failure()
         log.warning(
             '{"event": "approval_webhook_failed", "approval_id": "%s", "run_id": "%s", "attempts": %d, '
             '"error": "%s"}', approval.id, approval.run_id, ATTEMPTS, error.replace('"', "'"),

@@ -314,6 +314,10 @@ async def test_the_webhook_announces_each_pending_approval_and_retries(  # type:
             break
         await asyncio.sleep(0.05)
     assert (webhook.sent, webhook.failures) == (0, 1)
+    async with aiohttp.ClientSession() as s, s.get(f"{down.url}/metrics", headers=down.admin) as r:
+        text = await r.text()
+    assert "runcap_approval_webhook_failures_total 1.0" in text
+    assert 'runcap_approvals_total{event="requested"} 1.0' in text
 
 
 async def test_an_approval_nobody_decides_expires_and_the_call_asks_anew(runcap_factory, tool) -> None:  # type: ignore[no-untyped-def]
