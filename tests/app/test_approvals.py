@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from mcp.shared.exceptions import MCPError
 
 from proxy.caps import RunCaps, RunRequest
 from proxy.errors import DeadlineExceeded, RunCancelled
@@ -26,6 +27,8 @@ from proxy.toolcall.call import ToolCall
 from proxy.toolcall.policy import PolicyDecision
 from tests.support.approvals import decide, listed, until_pending
 from tests.support.clickhouse import sql, wait_rows
+from tests.support.mcp_agent import mcp_config, rid
+from tests.support.mcp_agent import session as mcp_session
 from tests.support.tool_agent import call, refund_tool
 from tests.support.tool_service import ToolService
 
@@ -339,3 +342,36 @@ async def test_an_approval_nobody_decides_expires_and_the_call_asks_anew(runcap_
         assert status == 404 and err["error"]["param"] == "approval_id"
         async with s.get(f"{rc.url}/approvals", params={"state": "maybe"}, headers=rc.admin) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "state"
+
+
+@pytest.mark.parametrize("kind", ["stateful-sse", "stateless-json"])
+async def test_mcp_call_held_then_approved_executes_once(kind, servers, runcap_factory) -> None:  # type: ignore[no-untyped-def]
+    """The official MCP SDK on both sides: a large refund waits; approving it releases exactly that
+    call (the other one stays held, then its run's cancel ends it); a repeat is a replay."""
+    server = servers(kind)
+    rc = await runcap_factory(mcp_config(server, tools={"refund": {"rules": [LARGE]}}))
+    run, big, other = rid("mcp-appr"), rid("big"), rid("other")
+
+    def ran(order: str) -> int:
+        return len([e for e in server.stats()["executions"] if e["args"].get("order_id") == order])
+
+    big_args = {"order_id": big, "amount": 500, "currency": "EUR"}
+    other_args = {"order_id": other, "amount": 700, "currency": "EUR"}
+    async with mcp_session(f"{rc.url}/mcp/crm", run) as agent, aiohttp.ClientSession() as s:
+        first = asyncio.create_task(agent.call_tool("refund", big_args))
+        second = asyncio.create_task(agent.call_tool("refund", other_args))
+        rows = {r["args_hash"]: r for r in await until_pending(s, rc.url, rc.admin, run, 2)}
+        assert {r["tool"] for r in rows.values()} == {"mcp:crm/refund"}
+        target = rows[args_hash(orjson.dumps(big_args))]["id"]
+        assert (await decide(s, rc.url, rc.admin, target, decision="approve", by="alice"))[0] == 200
+        result = await asyncio.wait_for(first, 10)
+        assert not result.is_error and ran(big) == 1
+        assert not second.done() and ran(other) == 0  # the same tool, other arguments: still held
+        again = await agent.call_tool("refund", big_args)
+        assert not again.is_error and ran(big) == 1  # replayed, not executed again
+        async with s.post(f"{rc.url}/runs/{run}/cancel", headers=rc.admin) as r:
+            assert r.status == 200
+        with pytest.raises(MCPError) as e:  # the run's cancel ends the wait: -32042
+            await asyncio.wait_for(second, 10)
+        assert e.value.error.code == -32042 and "approval" in e.value.error.message
+    assert ran(big) + ran(other) == 1
