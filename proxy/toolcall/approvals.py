@@ -152,7 +152,13 @@ class ApprovalDesk:
         it is denied, expired, the run is cancelled or past its deadline, or (mode `defer`)
         `ApprovalRequired` with the approval id and Retry-After."""
         now = time.time()
-        state = call.state if call.state is not None else await self.ledger.get_run(req.run_id)
+        state = call.state
+        if state is None and call.run is not None:
+            # The run as the ledger has it — opened now if this is its first call, so its deadline
+            # is fixed from here (not from each resend of a deferred call) — and refused at once
+            # when it is cancelled or past its deadline.
+            run = call.run
+            state = await self.ledger.touch_run(run.run_id, run.task, run.caps, now)
         deadline = run_deadline(call.run, state, now) if call.run is not None else req.caps.deadline
         ttl_end = now + self.settings.approval_ttl_s
         expires_at = ttl_end if deadline is None else min(deadline, ttl_end)

@@ -375,3 +375,24 @@ async def test_mcp_call_held_then_approved_executes_once(kind, servers, runcap_f
             await asyncio.wait_for(second, 10)
         assert e.value.error.code == -32042 and "approval" in e.value.error.message
     assert ran(big) + ran(other) == 1
+
+
+async def test_a_deferred_call_fixes_its_runs_deadline_and_a_cancelled_run_asks_nobody(  # type: ignore[no-untyped-def]
+    runcap_factory, tool
+) -> None:
+    rc = await runcap_factory(refund_with(tool, mode="defer"))
+    run, big = f"run-{secrets.token_hex(4)}", {"order_id": "o-1", "amount": 500}
+    status, _, _ = await call(f"{rc.url}/tools/refund", run, big, headers={"X-Run-Timeout": "60"})
+    assert status == 428
+    first = (await rc.run(run))["caps"]["deadline"]
+    assert first is not None  # the run was opened by its first (held) call
+    status, _, _ = await call(f"{rc.url}/tools/refund", run, big, headers={"X-Run-Timeout": "60"})
+    assert status == 428 and (await rc.run(run))["caps"]["deadline"] == first  # not moved by a resend
+
+    cancelled = f"run-{secrets.token_hex(4)}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{rc.url}/runs/{cancelled}/cancel", headers=rc.admin) as r:
+            assert r.status == 200
+        status, _, body = await call(f"{rc.url}/tools/refund", cancelled, big)
+        assert status == 410 and body["error"]["type"] == "run_cancelled"
+        assert await listed(s, rc.url, rc.admin, run=cancelled, state="all") == []
