@@ -52,7 +52,8 @@ from proxy.server.worker_metrics import WorkerSiblings
 from proxy.spans.recorder import SpanRecorder
 from proxy.spans.setup import SpanSystem, open_span_system
 from proxy.spans.supervisor import ShipperSupervisor, die_with_parent
-from proxy.toolcall.approval import RefusingGate
+from proxy.toolcall.approval_routes import ApprovalRoutes
+from proxy.toolcall.approvals import ApprovalDesk
 from proxy.toolcall.route import ToolClient
 from proxy.tools.gateway import ToolGateway
 from proxy.upstream_url import UnsafePath, decode_segment, remaining_segments
@@ -72,6 +73,7 @@ class Runtime:
     spans: SpanSystem
     forwarder: Forwarder | None = None
     client: OutboundClient | None = None  # to the model upstreams
+    approvals: ApprovalDesk | None = None  # tool calls held for a person (toolcall/approvals.py)
 
     @property
     def recorder(self) -> SpanRecorder:
@@ -144,11 +146,17 @@ def build_app(
         else None
     )
     OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder, metrics_guard).add_to(app)
+    # Tool calls a rule holds for a person, and GET/POST /approvals (toolcall/approval_routes.py).
+    rt.approvals = ApprovalDesk(
+        ledger, config.approvals, rt.recorder, tenants=clients.enabled, metrics=metrics
+    )
+    ApprovalRoutes(
+        rt.approvals, guard, clients, data_dir=config.data_dir, s3_url=config.spans.s3_url
+    ).add_to(app)
     # /tools/{name}, the reconcile admin routes, and cancels made on other processes/replicas.
     tool_client = ToolClient()
-    # Where a tool call a rule sends to a person waits (toolcall/approval.py): no approval store
-    # yet, so such a call is refused (403 approval_unavailable), never executed.
-    gate = RefusingGate()
+    # Where a tool call a rule sends to a person waits (toolcall/approvals.py, the ledger's approvals).
+    gate = rt.approvals
     tools = ToolGateway(config, ledger, rt.flights, metrics, tool_client, rt.recorder, clients, gate)
     tools.add_to(app)
     # /mcp/{name}

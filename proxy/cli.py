@@ -115,8 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--state", default="unknown", choices=["unknown", "in_flight", "completed", "all"],
         help="records to list (default unknown)",
     )  # fmt: skip
+    _add_approval_commands(sub)
     _add_read_commands(sub)
     return parser
+
+
+def _add_approval_commands(sub: Any) -> None:
+    """Tool calls held for a person (proxy/approval_cli.py)."""
+    p = sub.add_parser(
+        "approvals", help="tool calls waiting for a person's approval (--all: decided ones too)"
+    )
+    _add_client_args(p)
+    p.add_argument("--run", dest="run_id", help="only this run's")
+    p.add_argument("--all", action="store_true", help="every approval: pending, approved, denied, expired")
+    for verb, what in (("approve", "let the held tool call execute (once)"), ("deny", "refuse it")):
+        p = sub.add_parser(verb, help=f"{what}: approval ID (from `runcap approvals`)")
+        _add_client_args(p)
+        p.add_argument("approval_id", metavar="ID")
+        p.add_argument("--by", help="who decides (default: $USER)")
+        p.add_argument("--reason", required=verb == "deny", help="why (the agent is told it on a denial)")
 
 
 def _module_doc(module: str) -> str:
@@ -250,6 +267,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, data_dir=args.data_dir)
         return reconcile(args, config)
+    if args.command in ("approvals", "approve", "deny"):
+        from proxy.approval_cli import approvals
+
+        return approvals(args, load_config(args.config, data_dir=args.data_dir))
     if args.command in ("query", "sql", "runs", "run", "payload"):
         from proxy.readcli import run_read_command
 

@@ -4,8 +4,8 @@
 --
 -- source = 'executed'   /tools and MCP tools/call calls: duration_ms of the call as runcap made it.
 --                       Replays (answered from the idempotency record) and refused calls
---                       (402/409/410; an MCP refusal's span carries the status /tools would have
---                       answered) are left out.
+--                       (402/409/410, and 428: held for a person's approval; an MCP refusal's span
+--                       carries the status /tools would have answered) are left out.
 -- source = 'requested'  tools the model requested and the agent ran on its own: the time from the
 --                       model's response (tool_call span) to the request that carried the result
 --                       back (tool_result span, matched by tool_call_id). This includes the agent's
@@ -41,7 +41,7 @@ FROM
     WHERE kind = 'tool'
         AND started_at >= {since:DateTime64(6, 'UTC')}
         AND outcome != 'replayed'
-        AND status_code NOT IN (402, 409, 410)
+        AND status_code NOT IN (402, 409, 410, 428)
         AND ({tool:String} = '' OR tool_name = {tool:String})
 
     UNION ALL

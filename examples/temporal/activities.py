@@ -13,6 +13,12 @@ the same call cannot succeed. Everything else (a worker killed mid-call, a 5xx, 
 retried, and runcap makes the retry safe: the same tool call in the same run is the same
 idempotency key, so a retry gets the recorded outcome (`X-Idempotent-Replay: true`) instead of a
 second side effect, and every model call counts against the same run's caps.
+
+A tool call a runcap rule holds for a person in `defer` mode (428 `approval_required`) is the one
+refusal worth retrying: the activity fails *retryably* with `next_retry_delay` = runcap's
+`Retry-After`, so the workflow parks on Temporal's retry timer (no worker slot held) until the
+call is approved — then the retry executes it, once — or denied, when runcap's 403 is the tool's
+answer the model reads.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import json
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import aiohttp
@@ -72,6 +79,22 @@ class ToolResult:
 def non_retryable(rejection: RuncapRejection) -> ApplicationError:
     return ApplicationError(
         str(rejection), rejection.as_details(), type=type(rejection).__name__, non_retryable=True
+    )
+
+
+def waiting_for_approval(tool: str, body: bytes, headers: dict[str, str]) -> ApplicationError:
+    """runcap's 428 `approval_required`: retried after its `Retry-After` (see the module's doc)."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        error = {}
+    retry_after = headers.get("retry-after", "")
+    delay = timedelta(seconds=int(retry_after)) if retry_after.isdigit() else timedelta(seconds=30)
+    return ApplicationError(
+        f"tool {tool!r} waits for a person's approval {error.get('approval_id')}: {error.get('message')}",
+        {"approval_id": error.get("approval_id")},
+        type="ApprovalRequired",
+        next_retry_delay=delay,
     )
 
 
@@ -148,6 +171,8 @@ class AgentActivities:
         status, response_headers, body = await self._heartbeating(
             self._post(f"/tools/{req.name}", req.arguments.encode(), headers)
         )
+        if status == 428:
+            raise waiting_for_approval(req.name, body, response_headers)
         rejection = rejection_from_response(status, body, response_headers)
         if rejection is not None:
             raise non_retryable(rejection)

@@ -54,6 +54,7 @@ TABLES = (
     "context",
     "metrics",
     "local",
+    "approvals",
 )
 TOP_KEYS = known_keys(sections.Config).union(*map(known_keys, sections.TOP_LEVEL_SECTIONS), TABLES)
 
@@ -126,6 +127,9 @@ def build_config(
         caps=caps,
         local=sections.LocalSettings(**read_section(sections.LocalSettings, _section(raw, "local"), "local")),
         metrics=_metrics(_section(raw, "metrics"), env, tenants=bool(client_tokens)),
+        approvals=sections.ApprovalSettings(
+            **read_section(sections.ApprovalSettings, _section(raw, "approvals"), "approvals")
+        ),
         upstreams=upstreams,
         tools=tools,
         mcp=mcp,
@@ -142,7 +146,11 @@ def _section(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     section = raw.get(key, {})
     if not isinstance(section, dict):
         raise ConfigError(f"{key}: expected a table")
-    cls = {"local": sections.LocalSettings, "metrics": sections.MetricsSettings}[key]
+    cls = {
+        "local": sections.LocalSettings,
+        "metrics": sections.MetricsSettings,
+        "approvals": sections.ApprovalSettings,
+    }[key]
     check_known(section, key, known_keys(cls))
     return section
 

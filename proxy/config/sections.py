@@ -232,6 +232,29 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ApprovalSettings:
+    """`[approvals]`: how long a tool call waits for a person (DESIGN.md "Tool policies and
+    approvals"), and who is told that one waits."""
+
+    TABLE: ClassVar[str] = "approvals"
+    approval_ttl_s: float = setting(
+        3600.0, "a pending approval expires after this long (or at its run's deadline, if earlier)",
+        above=0, unit="seconds",
+    )  # fmt: skip
+    approval_retry_after_s: int = setting(
+        30, "`defer` mode: the `Retry-After` of a 428 `approval_required`", minimum=1, unit="seconds"
+    )
+    approval_webhook_url: str | None = setting(
+        None, "POSTed `{id, run_id, tool, args_hash, rule, requested_at}` for each new pending approval "
+        "(in the background: a failure is logged and counted, never the agent's)",
+        schemes=("http", "https"),
+    )  # fmt: skip
+    approval_webhook_timeout_s: float = setting(
+        5.0, "each webhook attempt's timeout (3 attempts)", above=0, unit="seconds"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class TaskCaps:
     """`[tasks."NAME"]`: default caps for runs of one task type (`X-Run-Task`); a header may
     lower them, never raise them, and `[caps]` ceilings clamp them."""
@@ -481,6 +504,7 @@ class Config:
     caps: CapsConfig = field(default_factory=CapsConfig)
     local: LocalSettings = field(default_factory=LocalSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    approvals: ApprovalSettings = field(default_factory=ApprovalSettings)
     upstreams: Mapping[str, UpstreamConfig] = field(default_factory=dict)
     tools: Mapping[str, ToolConfig] = field(default_factory=dict)
     mcp: Mapping[str, MCPServerConfig] = field(default_factory=dict)  # /mcp/{name} (proxy/mcp/)

@@ -40,7 +40,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 
 from proxy.caps import RunCaps
@@ -398,6 +398,34 @@ class Ledger(abc.ABC):
     @abc.abstractmethod
     async def object_owners(self, account: str, object_ids: Sequence[str]) -> dict[str, str]:
         """The recorded tenant of each of `object_ids` that has one."""
+
+    # -- approvals (DESIGN.md "Tool policies and approvals"; the rules: `open_approval` below) ----
+
+    @abc.abstractmethod
+    async def open_approval(self, req: ApprovalRequest) -> tuple[Approval, bool]:
+        """The approval of the call (run, key), atomically: the existing one, or a new pending one
+        (`open_approval`'s rule). True when it is new."""
+
+    @abc.abstractmethod
+    async def get_approval(self, approval_id: str, now: float) -> Approval | None:
+        """The approval by its id, its expiry applied (`expire_if_due`)."""
+
+    @abc.abstractmethod
+    async def list_approvals(
+        self, now: float, *, state: str | None = None, run_id: str | None = None, limit: int = 1000
+    ) -> list[Approval]:
+        """Approvals, oldest first, their expiry applied; `state` pending reads the pending index."""
+
+    @abc.abstractmethod
+    async def decide_approval(
+        self, approval_id: str, approve: bool, by: str, reason: str, now: float
+    ) -> Approval | None:
+        """A person's decision (`decide_approval`'s rule), atomically. None: no such approval.
+        Raises `ApprovalNotPending`."""
+
+    @abc.abstractmethod
+    async def deny_pending_approvals(self, run_id: str, now: float) -> list[Approval]:
+        """The run was cancelled: deny its pending approvals (`deny_for_cancel`). The denied ones."""
 
 
 # A cap an operator may set: RunCaps field → the value (None: remove the cap).
@@ -981,3 +1009,116 @@ def decide_tool_call(
             step=state.steps,
         )
     return ToolCallStart("execute", replace(state), new)
+
+
+# -- approvals: a person's yes or no on one exact tool call (DESIGN.md "Tool policies and approvals")
+
+PENDING = "pending"
+APPROVED = "approved"
+DENIED = "denied"
+EXPIRED = "expired"
+APPROVAL_STATES = (PENDING, APPROVED, DENIED, EXPIRED)
+# Who denied the pending approvals of a cancelled run (`deny_for_cancel`): the gate tells a
+# cancel (410) from a person's denial (403) by it.
+CANCELLED_BY = "runcap: run cancelled"
+
+
+class ApprovalNotPending(Exception):
+    """A decision on an approval that is no longer pending (decided, or expired)."""
+
+    def __init__(self, approval: Approval) -> None:
+        super().__init__(f"approval {approval.id} of run {approval.run_id} is {approval.state}")
+        self.approval = approval
+
+
+@dataclass(slots=True)
+class Approval:
+    """A person's decision on one exact tool call, keyed by the call's idempotency key (run, tool,
+    canonical arguments, operation id): approving it releases that call, not the tool."""
+
+    id: str  # 32 hex chars, random: unguessable, and says nothing about the run
+    run_id: str
+    key: str  # the call's idempotency key
+    tool: str
+    args_hash: str
+    tenant: str  # '' without client tokens
+    state: str  # pending / approved / denied / expired
+    requested_at: float
+    expires_at: float | None  # the run's deadline or `approval_ttl_s`, whichever is first
+    decided_at: float | None = None
+    by: str = ""
+    reason: str = ""
+    rule: str = ""  # the rule that asked for a person, and its reason
+    rule_reason: str = ""
+    request_hash: str = ""  # the call's body in the payload store ('' when not kept)
+    step: int = 0
+
+    def as_json(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRequest:
+    """A call a rule says needs a person (`Ledger.open_approval`)."""
+
+    run_id: str
+    key: str
+    tool: str
+    args_hash: str
+    tenant: str
+    now: float
+    expires_at: float | None
+    rule: str = ""
+    rule_reason: str = ""
+    request_hash: str = ""
+    step: int = 0
+
+
+def new_approval_id() -> str:
+    return secrets.token_hex(16)
+
+
+def expire_if_due(approval: Approval, now: float) -> bool:
+    """A pending approval past its expiry is expired (nobody decided in time). True if it changed."""
+    if approval.state == PENDING and approval.expires_at is not None and now >= approval.expires_at:
+        approval.state = EXPIRED
+        approval.decided_at = approval.expires_at
+        approval.by = "runcap"
+        approval.reason = "expired: nobody decided before the run's deadline or approval_ttl_s"
+        return True
+    return False
+
+
+def open_approval(existing: Approval | None, req: ApprovalRequest) -> tuple[Approval, bool]:
+    """The approval of the call `req`: the one it has (pending, approved or denied — a decision
+    sticks for that exact call), or a new pending one when it has none or its last one expired
+    (nobody said no: asking again is asking anew). True when it is new. Mutates `existing`
+    (expiry): the caller persists it."""
+    if existing is not None:
+        expire_if_due(existing, req.now)
+        if existing.state != EXPIRED:
+            return existing, False
+    return Approval(
+        id=new_approval_id(), run_id=req.run_id, key=req.key, tool=req.tool, args_hash=req.args_hash,
+        tenant=req.tenant, state=PENDING, requested_at=req.now, expires_at=req.expires_at,
+        rule=req.rule, rule_reason=req.rule_reason, request_hash=req.request_hash, step=req.step,
+    ), True  # fmt: skip
+
+
+def decide_approval(approval: Approval, approve: bool, by: str, reason: str, now: float) -> None:
+    """A person's decision; only a pending approval takes one (`ApprovalNotPending`)."""
+    expire_if_due(approval, now)
+    if approval.state != PENDING:
+        raise ApprovalNotPending(approval)
+    approval.state = APPROVED if approve else DENIED
+    approval.decided_at = now
+    approval.by = by
+    approval.reason = reason
+
+
+def deny_for_cancel(approval: Approval, now: float) -> bool:
+    """The run was cancelled: its pending approval is denied (True), a decided one stays."""
+    if expire_if_due(approval, now) or approval.state != PENDING:
+        return False
+    decide_approval(approval, False, CANCELLED_BY, "the run was cancelled", now)
+    return True

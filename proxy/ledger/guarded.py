@@ -32,6 +32,8 @@ from typing import TypeVar
 from proxy.caps import RunCaps
 from proxy.errors import LedgerUnavailable, Rejection
 from proxy.ledger.base import (
+    Approval,
+    ApprovalRequest,
     CapsChange,
     IdempotencyRecord,
     Ledger,
@@ -291,6 +293,33 @@ class GuardedLedger(Ledger):
 
     async def object_owners(self, account: str, object_ids: Sequence[str]) -> dict[str, str]:
         return await self._guard("object_owners", lambda: self.backend.object_owners(account, object_ids))
+
+    async def open_approval(self, req: ApprovalRequest) -> tuple[Approval, bool]:
+        return await self._guard("open_approval", lambda: self.backend.open_approval(req))
+
+    async def get_approval(self, approval_id: str, now: float) -> Approval | None:
+        return await self._guard("get_approval", lambda: self.backend.get_approval(approval_id, now))
+
+    async def list_approvals(
+        self, now: float, *, state: str | None = None, run_id: str | None = None, limit: int = 1000
+    ) -> list[Approval]:
+        return await self._guard(
+            "list_approvals",
+            lambda: self.backend.list_approvals(now, state=state, run_id=run_id, limit=limit),
+            timeout_s=self.slow_timeout_s,
+        )
+
+    async def decide_approval(
+        self, approval_id: str, approve: bool, by: str, reason: str, now: float
+    ) -> Approval | None:
+        return await self._guard(
+            "decide_approval", lambda: self.backend.decide_approval(approval_id, approve, by, reason, now)
+        )
+
+    async def deny_pending_approvals(self, run_id: str, now: float) -> list[Approval]:
+        return await self._guard(
+            "deny_pending_approvals", lambda: self.backend.deny_pending_approvals(run_id, now)
+        )
 
 
 def guarded(ledger: Ledger, timeout_s: float = DEFAULT_TIMEOUT_S) -> GuardedLedger:

@@ -44,6 +44,7 @@ ERROR_CODES = {
     "idempotency_key_reused": -32046,
     "tool_call_denied": -32044,  # (a rule's denial is answered as a result: `denied_result`)
     "approval_unavailable": -32044,
+    "approval_required": -32047,  # `defer`: error.data.approval_id (proxy/toolcall/approvals.py)
     "invalid_request": INVALID_REQUEST,
 }
 
@@ -137,6 +138,9 @@ def refusal(request_id: Any, rej: Rejection) -> dict[str, Any]:
     """runcap's rejection as the JSON-RPC error an MCP client reads."""
     code = ERROR_CODES.get(rej.type, INTERNAL_ERROR)
     data = {"type": rej.type, "code": rej.code, "message": rej.message}
+    approval_id = getattr(rej, "approval_id", None)  # approval_required: the approval to wait for
+    if approval_id is not None:
+        data["approval_id"] = approval_id
     return error_message(request_id, code, rej.message, data)
 
 

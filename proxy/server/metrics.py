@@ -191,6 +191,16 @@ class Metrics:
             "rule failed to evaluate and the call was denied).",
             ["tool", "effect"], registry=r,
         ))  # fmt: skip
+        self.approvals = Counter(
+            "runcap_approvals",
+            "Approval events (toolcall/approvals.py): requested, approved, denied, expired, cancelled.",
+            ["event"], registry=r,
+        )  # fmt: skip
+        self.approval_webhook_failures = Counter(
+            "runcap_approval_webhook_failures",
+            "Pending approvals the [approvals] webhook could not announce after every attempt.",
+            registry=r,
+        )
 
     def watch_spans(self, spans: SpanSystem) -> None:
         """Export the span path: this process's WAL appends and drops, and the shipper's view —

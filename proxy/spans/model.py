@@ -16,7 +16,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import NamedTuple
 
-SPAN_KINDS = ("model", "tool", "tool_call", "tool_result")
+SPAN_KINDS = ("model", "tool", "tool_call", "tool_result", "approval")
 OUTCOMES = (
     "ok",
     "error",

@@ -162,6 +162,8 @@ class ToolGateway(ToolRoute):
             # denied call, or one that waits for a person, has no idempotency record.
             admission = ADMITTED
             if self.policy.has_rules(tool.name):
+                if body:  # kept before a rule may hold the call: `runcap approvals` shows its arguments
+                    call.keep_body(self.recorder, body, response=False)
                 ok, parsed = parse_json(body) if body else (True, {})
                 admission = await self.policy.admit(
                     call, req, run, args=parsed if ok else {}, method=req.method, path=call.path
@@ -224,7 +226,7 @@ class ToolGateway(ToolRoute):
         headers.update(clock.headers())
 
         recorder = self.recorder
-        if body:
+        if body and not call.request_hash:
             call.keep_body(recorder, body, response=False)
         event = self.calls.executing(run.run_id, call.key)
         upstream: aiohttp.ClientResponse | None = None

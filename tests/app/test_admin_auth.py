@@ -57,8 +57,9 @@ BODIES: dict[str, dict[str, Any]] = {
     "/runs/{run_id}/caps": {"max_usd": "1000", "max_steps": 1000, "by": "the agent"},
     "/admin/idempotency/{key}/resolve": {"run_id": RUN, "outcome": "not_done"},
     "/admin/sql": {"sql": "SELECT 1"},
+    "/approvals/{approval_id}": {"decision": "approve", "by": "the agent"},
 }
-PATH_PARAMS = {"run_id": RUN, "key": KEY}
+PATH_PARAMS = {"run_id": RUN, "key": KEY, "approval_id": "0" * 32}
 
 
 def wrong_authorizations(token: str) -> dict[str, dict[str, str]]:

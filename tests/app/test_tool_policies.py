@@ -5,15 +5,16 @@ official `mcp` SDK on both sides). The acceptance policy: `amount > 100 → appr
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
 import mcp_types as types
 import openai
 import pytest
-from mcp.shared.exceptions import MCPError
 
 from proxy.hashing import idempotency_key
+from tests.support.approvals import decide, until_pending
 from tests.support.clickhouse import wait_rows
 from tests.support.mcp_agent import mcp_config, rid, session
 from tests.support.mcp_server import MCPServerProcess
@@ -69,9 +70,13 @@ async def test_http_acceptance_policy(runcap_factory, tool):  # type: ignore[no-
     assert headers["Idempotency-Key"] == key and await rc.ledger.get_tool_call(run, key) is None
     assert (await rc.run(run))["tool_calls_executed"] == 1
 
-    # A large one needs a person; with no approval store it is refused, never executed.
-    status, _, body = await call(url, run, {"order_id": "o-3", "amount": 500, "currency": "EUR"})
-    assert status == 403 and body["error"]["type"] == "approval_unavailable"
+    # A large one needs a person: held until one decides; denied, it never reaches the tool.
+    held = asyncio.create_task(call(url, run, {"order_id": "o-3", "amount": 500, "currency": "EUR"}))
+    async with aiohttp.ClientSession() as s:
+        [pending] = await until_pending(s, rc.url, rc.admin, run)
+        assert await decide(s, rc.url, rc.admin, pending["id"], decision="deny", reason="not today")
+    status, _, body = await asyncio.wait_for(held, timeout=10)
+    assert status == 403 and body["error"]["type"] == "tool_call_denied"
     assert "rule 'large'" in body["error"]["message"] and LARGE in body["error"]["message"]
     assert tool.executions == 1
     assert [await metric(rc, "refund", e) for e in ("allow", "deny", "approve")] == [1, 1, 1]
@@ -201,9 +206,15 @@ async def test_mcp_acceptance_policy(kind, servers, runcap_factory):  # type: ig
         assert denied.meta is not None
         refusal = denied.meta["runcap/refusal"]
         assert refusal["type"] == "tool_call_denied" and refusal["rule"] == "non-eur"
-        with pytest.raises(MCPError) as e:  # approval needed, no approval store: a refusal
-            await s.call_tool("refund", {"order_id": large, "amount": 500, "currency": "EUR"})
-        assert LARGE in str(e.value) and "no approval store" in str(e.value)
+        # Approval needed: held until a person decides; denied, the model reads why.
+        big = {"order_id": large, "amount": 500, "currency": "EUR"}
+        held = asyncio.create_task(s.call_tool("refund", big))
+        async with aiohttp.ClientSession() as admin:
+            [pending] = await until_pending(admin, rc.url, rc.admin, run)
+            await decide(admin, rc.url, rc.admin, pending["id"], decision="deny", reason="not today")
+        refused = await asyncio.wait_for(held, timeout=10)
+        assert refused.is_error and isinstance(refused.content[0], types.TextContent)
+        assert LARGE in refused.content[0].text and "not today" in refused.content[0].text
         # Another tool of the server has no rules: untouched.
         assert not (await s.call_tool("lookup", {"order_id": small})).is_error
     assert executions(server, order_id=foreign) == [] and executions(server, order_id=large) == []

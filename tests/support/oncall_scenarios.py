@@ -69,6 +69,10 @@ def tools_config(tool_url: str) -> dict[str, Any]:
                    "timeout_s": 0.3},
         # read-only: a timeout is just a timeout
         "search": {"url": f"{tool_url}/search", "side_effects": False, "timeout_s": 0.3},
+        # large payouts wait for a person (`defer`: 428 at once, nothing reaches the tool)
+        "payout": {"url": f"{tool_url}/payout", "side_effects": True, "rules": [
+            {"name": "large", "when": "args.amount > 100", "effect": "approve", "mode": "defer",
+             "reason": "payouts over 100 need a person"}]},
     }  # fmt: skip
 
 
@@ -325,6 +329,9 @@ def play(base: str, prefix: str, admin_token: str | None = None) -> Facts:
 
         agent.resolve(resolved, idempotency_key(resolved, "charge", {"order_id": "Y1"}, None), "not_done")
         agent.tool(resolved, "charge", {"order_id": "Y1", "sleep_s": 0})  # executes
+        # A payout held for a person (queries/approvals.sql): asked, never decided.
+        status, _ = agent.tool(storm, "payout", {"order_id": "P1", "amount": 500})
+        assert status == 428, status
         agent.tool(f"{prefix}-search-timeout", "search", {"q": "slow", "sleep_s": 1.0})
     finally:
         agent.close()

@@ -230,6 +230,20 @@ def night() -> tuple[list[Span], list[RunSnapshot]]:
             max_usd=Decimal("0.05"),
             max_steps=10,
         )
+
+    # A refund over 100 held for a person: approved by alice after 4 minutes; another denied.
+    def approval(t: float, ms: float, approval_id: str, event: str, state: str, **kw: str) -> None:
+        attributes = {"approval.id": approval_id, "approval.event": event, "approval.state": state,
+                      "approval.rule": "large", **kw}  # fmt: skip
+        span("ticket-4720", "approval", 1, t, endpoint="approval", duration_ms=ms, tool_name="refund",
+             args_hash=REFUND_HASH, attributes=attributes)  # fmt: skip
+
+    approval(300, 0.0, "a1" * 16, "requested", "pending")
+    approval(300, 240000.0, "a1" * 16, "decided", "approved", **{"approval.by": "alice"})
+    approval(300, 240010.0, "a1" * 16, "released", "approved", **{"approval.by": "alice"})
+    approval(320, 0.0, "b2" * 16, "requested", "pending")
+    approval(320, 60000.0, "b2" * 16, "decided", "denied",
+             **{"approval.by": "bob", "approval.reason": "duplicate of A-1009"})  # fmt: skip
     return s, runs
 
 
@@ -279,6 +293,7 @@ COMMANDS: dict[str, list[str]] = {
 
 # The column(s) that answer each table's question: kept at 80 columns (issue 25, item 4).
 ANSWERS = {
+    "query-approvals": ("approval_id", "state"),
     "query-cap_hits": ("cap", "runs_stopped"),
     "query-cap_recommendations": ("metric", "p99", "current_cap"),
     "query-context_growth": ("run_id", "avg_growth_per_step"),

@@ -70,6 +70,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             f'[tools.{name}]\nurl = "{t["url"]}"\nside_effects = {str(t["side_effects"]).lower()}\n'
             + (f"key_fields = {json.dumps(t['key_fields'])}\n" if "key_fields" in t else "")
             + (f"timeout_s = {t['timeout_s']}\n" if "timeout_s" in t else "")
+            + "".join(
+                f"[[tools.{name}.rules]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in rule.items())
+                for rule in t.get("rules", [])
+            )
             for name, t in svc.config_raw()["tools"].items()
         )
         config.write_text(

@@ -427,7 +427,7 @@ def test_slow_tools(env: Env) -> None:
     }
     executed = env.sql(
         "SELECT tool_name, duration_ms FROM runcap.spans WHERE kind = 'tool' AND outcome != 'replayed' "
-        "AND status_code NOT IN (402, 409, 410)"
+        "AND status_code NOT IN (402, 409, 410, 428)"
     )
     for tool in ("charge", "search", "refund"):
         ms = [r["duration_ms"] for r in executed if r["tool_name"] == tool]
@@ -525,3 +525,14 @@ def test_run_timeline(env: Env) -> None:
     assert all(r["args_hash"] == REFUND_HASH for r in rows if r["kind"] in ("tool", "tool_call"))
     # default: the most recently active run
     assert {r["run_id"] for r in env.q("run_timeline")} == {env.rid("search-timeout")}
+
+
+def test_approvals(env: Env) -> None:
+    """The payout held for a person and never decided: pending, nobody's, no wait measured yet."""
+    rows = env.q("approvals")
+    columns = ("run_id", "tool_name", "rule", "state", "decided_by", "waited_ms")
+    seen = [tuple(r[c] for c in columns) for r in rows]
+    assert seen == [(env.rid("storm"), "payout", "large", "pending", "", None)]
+    assert rows[0]["args_hash"] == args_hash(b'{"order_id": "P1", "amount": 500}')
+    assert len(rows[0]["approval_id"]) == 32 and rows[0]["held_calls"] == 0
+    assert env.q("approvals", state="approved") == []

@@ -482,3 +482,39 @@ async def test_runcap_killed_mid_tool_call_waits_for_reconcile(temporal, upstrea
     assert tools[0][2] == "failed" and tools[0][1] >= 2
     # ... and the repeat after the signal executed.
     assert tools[1:] == [("call_tool", 1, "completed")]
+
+
+# -- a tool call held for a person (`defer`): the workflow parks, is approved, resumes ------------
+
+
+async def test_deferred_approval_parks_the_workflow_until_an_operator_approves(  # type: ignore[no-untyped-def]
+    temporal, runcap_factory, upstream, tool
+):
+    from tests.support.approvals import decide, until_pending
+
+    rule = {"name": "refunds", "when": "args.amount > 10", "effect": "approve", "mode": "defer",
+            "reason": "a person checks every refund"}  # fmt: skip
+    extra = runcap_extra(tool, approvals={"approval_retry_after_s": 1})
+    extra["tools"]["refund"]["rules"] = [rule]
+    rc = await runcap_factory(extra)
+    upstream.scripts["refund"] = REFUND_SCRIPT
+    run_id, queue = ids("approve")
+    activities = AgentActivities(rc.url, admin_token=rc.runtime.config.admin_token)
+    async with in_process_worker(temporal, queue, activities):
+        handle = await temporal.start_workflow(
+            AgentWorkflow.run,
+            AgentInput("Refund order o-1 (12 EUR).", model_headers={"X-Mock-Script": "refund"}),
+            id=run_id, task_queue=queue, execution_timeout=timedelta(seconds=60),
+        )  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            [pending] = await until_pending(s, rc.url, rc.admin, run_id)
+            assert tool.executions == 0  # parked: nothing of it reaches the tool while it waits
+            status, _ = await decide(s, rc.url, rc.admin, pending["id"], decision="approve", by="alice")
+            assert status == 200
+        result = await asyncio.wait_for(handle.result(), 40)
+    await activities.aclose()
+    assert result.answer == "Refunded 12 EUR for order o-1." and result.tool_calls == 1
+    assert tool.executions == 1  # executed once, after the approval
+    attempts = await activity_attempts(handle)
+    tool_attempts = [a for a in attempts if a[0] == "call_tool"]
+    assert len(tool_attempts) == 1 and tool_attempts[0][1] >= 2 and tool_attempts[0][2] == "completed"

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from proxy.config import (
+    ApprovalSettings,
     CapsConfig,
     Config,
     ConfigError,
@@ -28,7 +29,7 @@ from proxy.config.reference import DOC, generate, render
 
 SECTIONS = (
     *(Config, ConnectionSettings, LedgerSettings, SpanSettings, CapsConfig, TaskCaps, LocalSettings),
-    *(MetricsSettings, ToolConfig, MCPServerConfig, MCPToolConfig),
+    *(MetricsSettings, ApprovalSettings, ToolConfig, MCPServerConfig, MCPToolConfig),
 )
 TOP_LEVEL = (Config, ConnectionSettings, LedgerSettings, SpanSettings)
 
@@ -113,6 +114,7 @@ def test_the_top_level_known_keys_are_every_declared_key_and_every_table() -> No
         "context",
         "metrics",
         "local",
+        "approvals",
     }
 
 

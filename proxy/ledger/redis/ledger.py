@@ -59,6 +59,7 @@ from proxy.caps import RunCaps
 from proxy.config import redact_url
 from proxy.errors import Rejection
 from proxy.ledger import base
+from proxy.ledger.redis.approvals import RedisApprovals
 from proxy.ledger.redis.cancels import cancel_events, publish_cancel
 from proxy.ledger.redis.codec import as_text
 from proxy.ledger.redis.keys import RedisKeys
@@ -124,6 +125,7 @@ class RedisLedger(base.Ledger):
             durability = Durability(self._r, wait_replicas, max(wait_ms, 1))
         self._keys = RedisKeys(prefix)
         self._store = RedisStore(self._r, self._keys, self.retention_ms, self.owner, durability)
+        self._approvals = RedisApprovals(self._r, prefix, self.retention_ms)
         self._liveness = Liveness(
             self._store, self.owner, heartbeat_s=heartbeat_s, heartbeat_ttl_ms=self.heartbeat_ttl_ms
         )
@@ -261,8 +263,30 @@ class RedisLedger(base.Ledger):
 
     async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         state = await self._update(run_id, now, cancel=True)
+        await self._approvals.deny_pending(run_id, now)  # a cancel denies what waits for a person
         await publish_cancel(self._r, self.cancel_channel, run_id, self.owner, sharded=self.cluster)
         return state
+
+    # -- approvals (approvals.py) ----------------------------------------------------------------
+
+    async def open_approval(self, req: base.ApprovalRequest) -> tuple[base.Approval, bool]:
+        return await self._approvals.open(req)
+
+    async def get_approval(self, approval_id: str, now: float) -> base.Approval | None:
+        return await self._approvals.get(approval_id, now)
+
+    async def list_approvals(
+        self, now: float, *, state: str | None = None, run_id: str | None = None, limit: int = 1000
+    ) -> list[base.Approval]:
+        return await self._approvals.listing(now, state, run_id, limit)
+
+    async def decide_approval(
+        self, approval_id: str, approve: bool, by: str, reason: str, now: float
+    ) -> base.Approval | None:
+        return await self._approvals.decide(approval_id, approve, by, reason, now)
+
+    async def deny_pending_approvals(self, run_id: str, now: float) -> list[base.Approval]:
+        return await self._approvals.deny_pending(run_id, now)
 
     async def set_status(self, run_id: str, status: str, now: float) -> None:
         await self._update(run_id, now, status=status)

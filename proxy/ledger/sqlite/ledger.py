@@ -37,7 +37,7 @@ from pathlib import Path
 from proxy.caps import RunCaps
 from proxy.errors import Rejection
 from proxy.ledger import base
-from proxy.ledger.sqlite import recovery
+from proxy.ledger.sqlite import approvals, recovery
 from proxy.ledger.sqlite.liveness import OwnerFiles
 from proxy.ledger.sqlite.schema import (
     SCHEMA,
@@ -82,6 +82,7 @@ class SQLiteLedger(base.Ledger):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        self._db.executescript(approvals.SCHEMA)
         with transaction(self._db) as db:  # under the write lock: see schema.py
             upgrade(db)
         self._writes = GroupCommit(self._db)
@@ -174,7 +175,9 @@ class SQLiteLedger(base.Ledger):
         return load_run(self._db, run_id)
 
     async def cancel(self, run_id: str, now: float) -> base.RunState | None:
-        return self._update(run_id, now, cancel=True)
+        state = self._update(run_id, now, cancel=True)
+        await self.deny_pending_approvals(run_id, now)  # a cancel denies what waits for a person
+        return state
 
     async def set_status(self, run_id: str, status: str, now: float) -> None:
         self._update(run_id, now, status=status)
@@ -215,9 +218,10 @@ class SQLiteLedger(base.Ledger):
         return recovered
 
     def purge(self, now: float) -> int:
-        """Delete idempotency records, idle runs and sweeps' records older than the retention."""
+        """Delete idempotency records, idle runs, sweeps' records and approvals older than the retention."""
         with transaction(self._db) as db:
-            return recovery.purge(db, now - self.retention_s)
+            cutoff = now - self.retention_s
+            return recovery.purge(db, cutoff) + approvals.purge(db, cutoff)
 
     async def ping(self) -> None:
         with transaction(self._db) as db:
@@ -352,6 +356,30 @@ class SQLiteLedger(base.Ledger):
             )
             owners.update(dict(rows.fetchall()))
         return owners
+
+    # -- approvals (approvals.py) ----------------------------------------------------------------
+
+    async def open_approval(self, req: base.ApprovalRequest) -> tuple[base.Approval, bool]:
+        with transaction(self._db) as db:
+            return approvals.open_approval(db, req)
+
+    async def get_approval(self, approval_id: str, now: float) -> base.Approval | None:
+        return approvals.get_approval(self._db, approval_id, now)
+
+    async def list_approvals(
+        self, now: float, *, state: str | None = None, run_id: str | None = None, limit: int = 1000
+    ) -> list[base.Approval]:
+        return approvals.list_approvals(self._db, now, state, run_id, limit)
+
+    async def decide_approval(
+        self, approval_id: str, approve: bool, by: str, reason: str, now: float
+    ) -> base.Approval | None:
+        with transaction(self._db) as db:
+            return approvals.decide_approval(db, approval_id, approve, by, reason, now)
+
+    async def deny_pending_approvals(self, run_id: str, now: float) -> list[base.Approval]:
+        with transaction(self._db) as db:
+            return approvals.deny_pending(db, run_id, now)
 
     async def close(self) -> None:
         if self._writes.pending:
