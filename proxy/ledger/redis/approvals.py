@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import orjson
-import redis.asyncio as aioredis
 
 from proxy.ledger import base
 from proxy.ledger.redis.codec import as_bytes, as_text
+from proxy.ledger.redis.store import Client
 
 # KEYS: record  ARGV: expected JSON ('' = none), new JSON, ttl ms. 1 written, 0 changed meanwhile.
 _CAS = """
@@ -66,7 +66,7 @@ def _load(raw: bytes | str) -> base.Approval:
 
 
 class RedisApprovals:
-    def __init__(self, r: aioredis.Redis, prefix: str, retention_ms: int) -> None:
+    def __init__(self, r: Client, prefix: str, retention_ms: int) -> None:
         self.r = r
         self.keys = ApprovalKeys(prefix)
         self.retention_ms = retention_ms
