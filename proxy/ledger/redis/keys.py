@@ -33,6 +33,7 @@ is built in one place (store.py), so this module and that one are what the chang
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -49,6 +50,11 @@ class RedisKeys:
 
     def run(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}"
+
+    def chain(self, run_ids: Sequence[str]) -> list[str]:
+        """The keys of a run and its ancestors, written together by one script (a run tree:
+        on a cluster they must share a slot — a tag on the root run id)."""
+        return [self.run(run_id) for run_id in run_ids]
 
     def reservations(self, owner: str) -> str:
         return f"{self.prefix}res:{owner}"

@@ -55,7 +55,7 @@ from proxy.ledger.redis.codec import as_text
 from proxy.ledger.redis.keys import RedisKeys
 from proxy.ledger.redis.liveness import Liveness
 from proxy.ledger.redis.recovery import Recovery
-from proxy.ledger.redis.store import Conflict, RedisStore, backoff
+from proxy.ledger.redis.store import Chain, Conflict, RedisStore, backoff
 
 log = logging.getLogger("runcap.ledger")
 
@@ -128,26 +128,66 @@ class RedisLedger(base.Ledger):
     def _heartbeat_task(self) -> asyncio.Task[None] | None:
         return self._liveness.task
 
+    # -- run trees: a run and its ancestors, read together and written by one script ----------
+
+    async def _place(
+        self,
+        stored: base.RunState | None,
+        run_id: str,
+        task: str,
+        caps: RunCaps,
+        parent: str,
+        now: float,
+        *,
+        cached: bool,
+    ) -> tuple[base.RunState, Chain]:
+        """The run as read (`stored`), or new, placed in its tree (`base.open_run`), and its
+        ancestors as read. A root reads nothing more."""
+        if not parent and (stored is None or not stored.ancestors):
+            return stored or base.new_run(run_id, task, caps, now), []
+        read = self._store.read_runs
+        if parent and (stored is None or stored.parent_run_id != parent):
+            named = (await read([parent], cached=cached))[0]
+            chain = [named, *await read(named[1].ancestors if named[1] else (), cached=cached)]
+        else:
+            assert stored is not None
+            chain = await read(stored.ancestors, cached=cached)
+        try:
+            return base.open_run(stored, [st for _, st in chain], run_id, task, caps, parent, now), chain
+        except Rejection:
+            if not cached:
+                raise
+        # Refused on this process's copies of the parent: decide again on what Redis holds.
+        return await self._place(stored, run_id, task, caps, parent, now, cached=False)
+
+    async def _open(
+        self, run_id: str, task: str, caps: RunCaps, parent: str, now: float, *, cached: bool
+    ) -> tuple[str, base.RunState, Chain]:
+        version, stored = await self._store.read_run(run_id, cached=cached)
+        state, chain = await self._place(stored, run_id, task, caps, parent, now, cached=cached)
+        return version, state, chain
+
     # -- steps ----------------------------------------------------------------------------------
 
     async def begin_step(self, req: base.StepRequest) -> base.Reservation:
         await self._liveness.start()
         attempt = 0
         while True:
-            version, state = await self._store.read_run(req.run_id, cached=attempt == 0)
-            state = state or base.new_run(req.run_id, req.task, req.caps, req.now)
+            version, state, chain = await self._open(
+                req.run_id, req.task, req.caps, req.parent_run_id, req.now, cached=attempt == 0
+            )
             try:
-                res = base.decide_step(state, req)
+                res = base.decide_step(state, req, [st for _, st in chain])
             except Rejection:
                 try:
-                    await self._store.cas_run(version, state)
+                    await self._store.cas_run(version, state, chain)
                 except Conflict:
                     attempt += 1
                     await backoff(attempt)
                     continue
                 raise
             try:
-                ok = await self._store.add_reservation(version, state, res, self.owner, req.now)
+                ok = await self._store.add_reservation(version, state, res, self.owner, req.now, chain)
             except BaseException:  # also a cancel (timeout): the script may have run
                 self._in_doubt.append(res)
                 raise
@@ -175,13 +215,19 @@ class RedisLedger(base.Ledger):
             if state is None:
                 self._liveness.live.pop(reservation.id, None)
                 raise KeyError(reservation.run_id)
+            chain: Chain = []
+            if state.ancestors:
+                chain = await self._store.read_runs(state.ancestors, cached=attempt == 0)
+            states = [st for _, st in chain]
             if swept:
+                before = base.totals(state)
                 base.apply_unrecovery(
                     state, reservation.usd_nanos, reservation.input_tokens, reservation.output_tokens, now
                 )
-            base.apply_settlement(state, reservation, settlement, now)
+                base.propagate(before, state, states, now)
+            base.apply_tree_settlement(state, states, reservation, settlement, now)
             write = self._store.settle_swept if swept else self._store.settle_reservation
-            ok = await write(version, state, reservation.id, self.owner)
+            ok = await write(version, state, reservation.id, self.owner, chain)
             if ok == 1:
                 self._liveness.live.pop(reservation.id, None)
                 if swept:
@@ -208,24 +254,27 @@ class RedisLedger(base.Ledger):
             attempt += 1
             await backoff(attempt)
 
-    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> base.RunState:
-        rejection: Rejection | None = None
-
-        def decide(state: base.RunState | None) -> base.RunState:
-            nonlocal rejection
-            state = base.touched_run(state, run_id, task, caps, now)
+    async def touch_run(
+        self, run_id: str, task: str, caps: RunCaps, now: float, parent: str = ""
+    ) -> base.RunState:
+        attempt = 0
+        while True:
+            version, opened, chain = await self._open(run_id, task, caps, parent, now, cached=attempt == 0)
+            state = base.touched_run(opened, run_id, task, caps, now)
+            rejection: Rejection | None = None
             try:
-                base.check_live(state, now)
-                rejection = None
+                base.check_touched(state, [st for _, st in chain], now)
             except Rejection as rej:  # written too: the run's new status is part of the answer
                 rejection = rej
+            try:
+                await self._store.cas_run(version, state, chain)
+            except Conflict:
+                attempt += 1
+                await backoff(attempt)
+                continue
+            if rejection is not None:
+                raise rejection
             return state
-
-        state = await self._store.update_run(run_id, decide)
-        if rejection is not None:
-            raise rejection
-        assert state is not None
-        return state
 
     async def get_run(self, run_id: str) -> base.RunState | None:
         return (await self._store.read_run(run_id))[1]
@@ -272,13 +321,16 @@ class RedisLedger(base.Ledger):
         attempt = 0
         while True:
             hit = self._store.cached_run(req.run_id) if attempt == 0 else None
+            read: base.RunState | None
             if hit is not None:
                 # First attempt on a run this process wrote last: guess "no record yet" (a new
                 # call, the common case); the compare-and-set checks both guesses.
-                (version, state), record, read_st = hit, None, ""
+                (version, read), record, read_st = hit, None, ""
             else:
                 version, read, record, read_st = await self._store.read_call(req.run_id, req.key)
-                state = read or base.new_run(req.run_id, req.task, req.caps, req.now)
+            state, chain = await self._place(
+                read, req.run_id, req.task, req.caps, req.parent_run_id, req.now, cached=attempt == 0
+            )
             alive = (
                 record is not None
                 and record.state == base.IN_FLIGHT
@@ -287,7 +339,7 @@ class RedisLedger(base.Ledger):
             rejection: Rejection | None = None
             start: base.ToolCallStart | None = None
             try:
-                start = base.decide_tool_call(state, record, req, self.owner, alive)
+                start = base.decide_tool_call(state, record, req, self.owner, alive, [st for _, st in chain])
             except Rejection as rej:
                 rejection = rej
             written = None
@@ -298,7 +350,9 @@ class RedisLedger(base.Ledger):
             owner = written.owner if written is not None else self.owner
             new_call = written is not None and written.state == base.IN_FLIGHT and written.owner == self.owner
             try:
-                ok = await self._store.start_call(version, state, req.key, read_st, written, owner, req.now)
+                ok = await self._store.start_call(
+                    version, state, req.key, read_st, written, owner, req.now, chain
+                )
             except BaseException:  # also a cancel (timeout): the script may have run
                 if new_call:
                     assert written is not None
@@ -378,14 +432,16 @@ class RedisLedger(base.Ledger):
                 return before
 
     async def _refund_tool_call(self, run_id: str, now: float) -> None:
-        def decide(state: base.RunState | None) -> base.RunState | None:
+        def decide(state: base.RunState | None, chain: list[base.RunState | None]) -> base.RunState | None:
             if state is None or state.tool_calls_executed == 0:
                 return None
+            before = base.totals(state)
             state.tool_calls_executed -= 1
             state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+            base.propagate(before, state, chain, now)
             return state
 
-        await self._store.update_run(run_id, decide)
+        await self._store.update_tree(run_id, decide)
 
     # -- faults ---------------------------------------------------------------------------------
 

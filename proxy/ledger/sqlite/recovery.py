@@ -15,7 +15,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from proxy.ledger.base import RecoveredReservation, apply_recovery
+from proxy.ledger.base import RecoveredReservation, apply_recovery, propagate, totals
 from proxy.ledger.sqlite.schema import load_run, save_run
 from proxy.ledger.sweep import DIED, log_turned_unknown
 
@@ -43,8 +43,15 @@ def settle_owner(db: sqlite3.Connection, owner: str, now: float) -> list[Recover
     for rid, run_id, usd, tin, tout in rows:
         state = load_run(db, run_id)
         if state is not None:
+            # The whole chain: what the reservation held in its ancestors' subtree totals too.
+            chain = [load_run(db, a) for a in state.ancestors]
+            before = totals(state)
             apply_recovery(state, usd, tin, tout, now)
+            propagate(before, state, chain, now)
             save_run(db, state)
+            for node in chain:
+                if node is not None:
+                    save_run(db, node)
         out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
     db.execute(
         "INSERT OR REPLACE INTO swept_reservations SELECT owner, id, run_id, usd, "

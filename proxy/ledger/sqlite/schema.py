@@ -90,6 +90,21 @@ ADDED_COLUMNS = {
         ("operator_caps", "TEXT NOT NULL DEFAULT ''"),
         ("context_baseline", "INTEGER NOT NULL DEFAULT 0"),
         ("upstream_failures", "INTEGER NOT NULL DEFAULT 0"),
+        # Run trees (issue 22): a row written before reads as a root without children.
+        ("parent_run_id", "TEXT NOT NULL DEFAULT ''"),
+        ("root_run_id", "TEXT NOT NULL DEFAULT ''"),
+        ("ancestors", "TEXT NOT NULL DEFAULT ''"),  # JSON array, parent first; '' for a root
+        ("children", "INTEGER NOT NULL DEFAULT 0"),
+        ("sub_spent_usd", "INTEGER NOT NULL DEFAULT 0"),
+        ("sub_reserved_usd", "INTEGER NOT NULL DEFAULT 0"),
+        ("sub_tokens", "INTEGER NOT NULL DEFAULT 0"),
+        ("sub_reserved_tokens", "INTEGER NOT NULL DEFAULT 0"),
+        ("sub_steps", "INTEGER NOT NULL DEFAULT 0"),
+        ("sub_tool_calls", "INTEGER NOT NULL DEFAULT 0"),
+        ("max_depth", "INTEGER"),
+        ("max_children", "INTEGER"),
+        ("max_tree_steps", "INTEGER"),
+        ("max_tree_tool_calls", "INTEGER"),
     ),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
@@ -124,9 +139,11 @@ COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
     "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps, "
-    "context_baseline, upstream_failures"
+    "context_baseline, upstream_failures, parent_run_id, root_run_id, ancestors, children, "
+    "sub_spent_usd, sub_reserved_usd, sub_tokens, sub_reserved_tokens, sub_steps, sub_tool_calls, "
+    "max_depth, max_children, max_tree_steps, max_tree_tool_calls"
 )
-UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 23)})"
+UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 37)})"
 
 
 def row_to_state(row: tuple[Any, ...]) -> RunState:
@@ -136,7 +153,17 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         status=row[2],
         started_at=row[3],
         updated_at=row[4],
-        caps=RunCaps(row[5], row[6], row[7], row[8], row[9]),
+        caps=RunCaps(
+            row[5],
+            row[6],
+            row[7],
+            row[8],
+            row[9],
+            max_depth=row[33],
+            max_children=row[34],
+            max_tree_steps=row[35],
+            max_tree_tool_calls=row[36],
+        ),
         spent_usd_nanos=row[10],
         input_tokens=row[11],
         output_tokens=row[12],
@@ -150,6 +177,16 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         operator_caps=row[20],
         context_baseline=row[21],
         upstream_failures=row[22],
+        parent_run_id=row[23],
+        root_run_id=row[24],
+        ancestors=tuple(json.loads(row[25])) if row[25] else (),
+        children=row[26],
+        sub_spent_usd_nanos=row[27],
+        sub_reserved_usd_nanos=row[28],
+        sub_tokens=row[29],
+        sub_reserved_tokens=row[30],
+        sub_steps=row[31],
+        sub_tool_calls=row[32],
     )
 
 
@@ -161,6 +198,10 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
         s.operator_caps, s.context_baseline, s.upstream_failures,
+        s.parent_run_id, s.root_run_id, json.dumps(list(s.ancestors)) if s.ancestors else "", s.children,
+        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
+        s.sub_steps, s.sub_tool_calls,
+        c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
     )  # fmt: skip
 
 
