@@ -673,12 +673,13 @@ def _parent_error(code: str, message: str) -> InvalidRequest:
 
 
 def _ended(state: RunState, now: float) -> str | None:
-    """Why `state` may not start a child (None: it may)."""
-    if state.cancelled:
+    """Why `state` may not start a child (None: it may). Cancelled and past its deadline are
+    for good; a run stopped by a cap is not (a top-up lets it go on), so it may start a child —
+    whose calls its cap then refuses by name while it has nothing left."""
+    if state.cancelled or state.status == "cancelled":
         return "was cancelled"
-    if state.status in TERMINAL_STATUSES:
-        return f"has ended ({state.status})"
-    if state.caps.deadline is not None and now >= state.caps.deadline:
+    deadline = state.caps.deadline
+    if state.status == "deadline_exceeded" or (deadline is not None and now >= deadline):
         return "passed its deadline"
     return None
 
