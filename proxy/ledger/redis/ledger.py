@@ -56,6 +56,7 @@ from proxy.ledger.redis.keys import RedisKeys
 from proxy.ledger.redis.liveness import Liveness
 from proxy.ledger.redis.recovery import Recovery
 from proxy.ledger.redis.store import Chain, Conflict, RedisStore, backoff
+from proxy.ledger.redis.trees import TreeLocks
 
 log = logging.getLogger("runcap.ledger")
 
@@ -102,6 +103,7 @@ class RedisLedger(base.Ledger):
         # The in-flight records this instance wrote, to complete them without reading them back.
         self._mine: dict[tuple[str, str], base.IdempotencyRecord] = {}
         self._in_doubt: list[base.Reservation | base.IdempotencyRecord] = []
+        self._trees = TreeLocks()
 
     @property
     def cancel_channel(self) -> str:
@@ -153,7 +155,9 @@ class RedisLedger(base.Ledger):
             assert stored is not None
             chain = await read(stored.ancestors, cached=cached)
         try:
-            return base.open_run(stored, [st for _, st in chain], run_id, task, caps, parent, now), chain
+            state = base.open_run(stored, [st for _, st in chain], run_id, task, caps, parent, now)
+            self._trees.learn(state, [st for _, st in chain])
+            return state, chain
         except Rejection:
             if not cached:
                 raise
@@ -170,6 +174,10 @@ class RedisLedger(base.Ledger):
     # -- steps ----------------------------------------------------------------------------------
 
     async def begin_step(self, req: base.StepRequest) -> base.Reservation:
+        async with self._trees.lock(req.run_id, req.parent_run_id):
+            return await self._begin_step(req)
+
+    async def _begin_step(self, req: base.StepRequest) -> base.Reservation:
         await self._liveness.start()
         attempt = 0
         while True:
@@ -208,6 +216,12 @@ class RedisLedger(base.Ledger):
     async def _settle_reservation(
         self, reservation: base.Reservation, settlement: base.Settlement, now: float, *, quiet: bool
     ) -> base.RunState:
+        async with self._trees.lock(reservation.run_id):
+            return await self._settle_in_tree(reservation, settlement, now, quiet=quiet)
+
+    async def _settle_in_tree(
+        self, reservation: base.Reservation, settlement: base.Settlement, now: float, *, quiet: bool
+    ) -> base.RunState:
         attempt = 0
         swept = False  # a sweep charged it at its reserved amount: correct that charge
         while True:
@@ -219,6 +233,8 @@ class RedisLedger(base.Ledger):
             if state.ancestors:
                 chain = await self._store.read_runs(state.ancestors, cached=attempt == 0)
             states = [st for _, st in chain]
+            if states:
+                self._trees.learn(state, states)
             if swept:
                 before = base.totals(state)
                 base.apply_unrecovery(
@@ -256,6 +272,12 @@ class RedisLedger(base.Ledger):
 
     async def touch_run(
         self, run_id: str, task: str, caps: RunCaps, now: float, parent: str = ""
+    ) -> base.RunState:
+        async with self._trees.lock(run_id, parent):
+            return await self._touch_run(run_id, task, caps, now, parent)
+
+    async def _touch_run(
+        self, run_id: str, task: str, caps: RunCaps, now: float, parent: str
     ) -> base.RunState:
         attempt = 0
         while True:
@@ -317,6 +339,10 @@ class RedisLedger(base.Ledger):
     # -- tool calls -----------------------------------------------------------------------------
 
     async def begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
+        async with self._trees.lock(req.run_id, req.parent_run_id):
+            return await self._begin_tool_call(req)
+
+    async def _begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
         await self._liveness.start()
         attempt = 0
         while True:
