@@ -272,8 +272,9 @@ class CapsConfig:
     # Run trees (issue 22): caps on the shape and the totals of a run's subtree.
     default_max_depth: int | None = setting(None, "how many levels of sub-runs a run may have below it")
     ceiling_max_depth: int | None = setting(None, "the deepest run tree a header may ask for")
-    default_max_children: int | None = setting(None, "how many direct sub-runs a run may start")
-    ceiling_max_children: int | None = setting(None, "the highest fan-out a header may ask for")
+    # (`X-Run-Max-Children`)
+    default_max_fan_out: int | None = setting(None, "how many direct sub-runs a run may start")
+    ceiling_max_fan_out: int | None = setting(None, "the highest fan-out a header may ask for")
     default_max_tree_steps: int | None = setting(None, "model-call cap of a run and its sub-runs together")
     ceiling_max_tree_steps: int | None = setting(None, "the highest model-call cap of a run tree")
     default_max_tree_tool_calls: int | None = setting(

@@ -160,8 +160,8 @@ async def test_cancel_of_the_parent_cuts_its_childrens_calls_on_every_replica(  
         await asyncio.sleep(0.01)
     async with aiohttp.ClientSession() as s, s.post(f"{a.url}/runs/{p}/cancel", headers=a.admin) as r:
         assert r.status == 200, await r.text()
-    # Every call in flight is cut, on both replicas (the test's own timeout guards a hang).
-    assert await asyncio.gather(*calls) == [410, 410, 410]
+    # Every call in flight is cut, on both replicas (the timeout only turns a hang into a failure).
+    assert await asyncio.wait_for(asyncio.gather(*calls), 60) == [410, 410, 410]
     while upstream.in_flight:  # the upstream saw each disconnect
         await asyncio.sleep(0.01)
     # Later calls of any descendant are refused, naming the cancelled ancestor.
@@ -172,3 +172,31 @@ async def test_cancel_of_the_parent_cuts_its_childrens_calls_on_every_replica(  
             )
         assert e.value.status_code == 410 and error_of(e.value)["type"] == "run_cancelled"
         assert f"ancestor {p}" in error_of(e.value)["message"]
+
+
+async def test_caps_defaults_and_ceilings_bound_the_tree(runcap_factory, upstream) -> None:  # type: ignore[no-untyped-def]
+    caps = {"default_max_depth": 1, "ceiling_max_fan_out": 1, "ceiling_max_tree_steps": 2}
+    rc = await runcap_factory({"tracing": False, "caps": caps})
+    tag = secrets.token_hex(3)
+
+    async def ask(headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        try:
+            await agent(rc.openai_url, headers).chat.completions.create(
+                model="gpt-4o-mini", messages=USER, max_tokens=5
+            )
+        except openai.APIStatusError as e:
+            return e.status_code, error_of(e)
+        return 200, {}
+
+    # Asks for 5 children and 10 tree steps: the ceilings clamp both; the depth is the default.
+    root = {"X-Run-Id": f"{tag}-r", "X-Run-Max-Children": "5", "X-Run-Max-Tree-Steps": "10"}
+    assert (await ask(root))[0] == 200
+    tree_caps = (await rc.run(f"{tag}-r"))["tree_caps"]
+    assert tree_caps == {"max_depth": 1, "max_children": 1, "max_tree_steps": 2, "max_tree_tool_calls": None}
+    assert (await ask({"X-Run-Id": f"{tag}-a", "X-Run-Parent": f"{tag}-r"}))[0] == 200
+    status, error = await ask({"X-Run-Id": f"{tag}-b", "X-Run-Parent": f"{tag}-r"})
+    assert (status, error["code"]) == (402, "max_children")
+    status, error = await ask({"X-Run-Id": f"{tag}-a"})  # the tree's third step
+    assert (status, error["code"], error["run"]) == (402, "max_tree_steps", f"{tag}-r")
+    status, error = await ask({"X-Run-Id": f"{tag}-g", "X-Run-Parent": f"{tag}-a"})
+    assert (status, error["code"], error["run"]) == (402, "max_depth", f"{tag}-r")
