@@ -218,8 +218,9 @@ def parse_run_headers(
         )
     }
     tree_caps = {
-        name: _apply(value, getattr(config, f"default_{name}"), getattr(config, f"ceiling_{name}"))
+        name: _apply(value, getattr(config, f"default_{setting}"), getattr(config, f"ceiling_{setting}"))
         for name, value in tree.items()
+        for setting in (_TREE_SETTING.get(name, name),)
     }
 
     has_time_header = deadline is not None or timeout_s is not None
@@ -272,6 +273,10 @@ def parse_run_headers(
         run_id = f"{tenant}:{run_id}"
         parent = f"{tenant}:{parent}" if parent else ""
     return RunRequest(run_id, generated, task, caps, operation_id, key, parent)
+
+
+# `[caps]` names of the tree caps where they differ from the RunCaps field.
+_TREE_SETTING = {"max_children": "max_fan_out"}
 
 
 def check_run_header_names(headers: Mapping[str, str]) -> None:
