@@ -11,6 +11,7 @@
    each one is recorded in flight, forwarded and completed), with the SQLite and the Redis ledger.
 
     .venv/bin/python -m bench.ledger_bench [--ops 5000] [--duration 10] [--concurrency 32] [--json F]
+        [--tree]   (3. a run three levels below a root vs a root: reserve + settle, interleaved)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import secrets
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -104,7 +106,42 @@ async def bench_concurrent(ledger: Ledger, n: int, concurrency: int) -> dict[str
     return {"pairs_per_s": round(n / wall), "cpu_us_per_pair": round(cpu * 1e6 / n, 1)}
 
 
-def _ledger_part(n: int, redis_url: str) -> dict[str, Any]:
+async def bench_tree(ledger: Ledger, n: int, depth: int = 3) -> dict[str, Any]:
+    """Run trees (issue 22): reserve + settle of a run `depth` levels below a capped root (its
+    chain: the run and `depth` ancestors, each checked and updated in the same atomic operation),
+    against the same pair on a root, interleaved so both see the same machine. Each pair is a
+    new run's first call — the child's includes its creation under its parent — as in
+    `bench_ledger`."""
+    caps = RunCaps(max_usd_nanos=10**12, max_tokens=10**9)
+    tag = secrets.token_hex(3)
+    used = Settlement(input_tokens=400, output_tokens=100, cost_usd_nanos=800_000)
+    parent = ""
+    for level in range(depth):  # root → ... → the leaves' parent
+        run_id = f"t{tag}-l{level}"
+        res = await ledger.begin_step(replace(bench_step(run_id, caps, time.time()), parent_run_id=parent))
+        await ledger.settle(res, used, time.time())
+        parent = run_id
+    root, leaf = [], []
+    for i in range(n + 200):  # the first 200 warm up
+        for kind, samples in (("root", root), ("leaf", leaf)):
+            now = time.time()
+            req = bench_step(f"t{tag}-{kind}{i}", caps, now)
+            if kind == "leaf":
+                req = replace(req, parent_run_id=parent)
+            t0 = time.perf_counter()
+            res = await ledger.begin_step(req)
+            await ledger.settle(res, used, now)
+            if i >= 200:
+                samples.append(time.perf_counter() - t0)
+    r, lf = _ms(root), _ms(leaf)
+    return {
+        "root reserve+settle": r,
+        f"depth-{depth} reserve+settle": lf,
+        "ratio_p50": round(lf["p50_ms"] / r["p50_ms"], 2),
+    }
+
+
+def _ledger_part(n: int, redis_url: str, tree: bool = False) -> dict[str, Any]:
     from proxy.ledger.redis import RedisLedger
     from proxy.ledger.sqlite import SQLiteLedger
 
@@ -115,12 +152,16 @@ def _ledger_part(n: int, redis_url: str) -> dict[str, Any]:
         try:
             out["sqlite"] = await bench_ledger(sqlite, n)
             out["sqlite"]["concurrent c=64 reserve+settle"] = await bench_concurrent(sqlite, 4 * n, 64)
+            if tree:
+                out["sqlite tree"] = await bench_tree(sqlite, n)
         finally:
             await sqlite.close()
         redis = RedisLedger(redis_url, prefix=f"bench{secrets.token_hex(3)}:")
         try:
             out["redis"] = await bench_ledger(redis, n)
             out["redis"]["concurrent c=64 reserve+settle"] = await bench_concurrent(redis, 4 * n, 64)
+            if tree:
+                out["redis tree"] = await bench_tree(redis, n)
         finally:
             await redis.close()
 
@@ -202,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--skip-tools", action="store_true", help="ledger latencies only")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument(
+        "--tree", action="store_true", help="also a depth-3 run tree's reserve+settle vs a root's"
+    )
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
@@ -210,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="runcap-lbench-"))
     redis = RedisServer().start()
     try:
-        ledgers = _ledger_part(args.ops, redis.url)
+        ledgers = _ledger_part(args.ops, redis.url, tree=args.tree)
         for backend, ops in ledgers.items():
             for op, v in ops.items():
+                if not isinstance(v, dict):
+                    print(f"{backend:<7} {op}: {v}", flush=True)
+                    continue
                 if "pairs_per_s" in v:
                     rate, cpu = v["pairs_per_s"], v["cpu_us_per_pair"]
                     print(f"{backend:<7} {op}: {rate} pairs/s, {cpu} µs CPU/pair", flush=True)
