@@ -121,23 +121,28 @@ async def bench_tree(ledger: Ledger, n: int, depth: int = 3) -> dict[str, Any]:
         res = await ledger.begin_step(replace(bench_step(run_id, caps, time.time()), parent_run_id=parent))
         await ledger.settle(res, used, time.time())
         parent = run_id
-    root, leaf = [], []
+    samples: dict[str, list[float]] = {"root": [], "leaf": [], "root pair": [], "leaf pair": []}
     for i in range(n + 200):  # the first 200 warm up
-        for kind, samples in (("root", root), ("leaf", leaf)):
+        for kind in ("root", "leaf"):
             now = time.time()
             req = bench_step(f"t{tag}-{kind}{i}", caps, now)
             if kind == "leaf":
                 req = replace(req, parent_run_id=parent)
             t0 = time.perf_counter()
             res = await ledger.begin_step(req)
+            t1 = time.perf_counter()
             await ledger.settle(res, used, now)
             if i >= 200:
-                samples.append(time.perf_counter() - t0)
-    r, lf = _ms(root), _ms(leaf)
+                samples[kind].append(t1 - t0)
+                samples[f"{kind} pair"].append(time.perf_counter() - t0)
+    r, lf, rp, lp = (_ms(samples[k]) for k in ("root", "leaf", "root pair", "leaf pair"))
     return {
-        "root reserve+settle": r,
-        f"depth-{depth} reserve+settle": lf,
-        "ratio_p50": round(lf["p50_ms"] / r["p50_ms"], 2),
+        "root reserve": r,
+        f"depth-{depth} reserve": lf,
+        "root reserve+settle": rp,
+        f"depth-{depth} reserve+settle": lp,
+        "reserve ratio_p50": round(lf["p50_ms"] / r["p50_ms"], 2),
+        "reserve+settle ratio_p50": round(lp["p50_ms"] / rp["p50_ms"], 2),
     }
 
 

@@ -44,9 +44,11 @@ from proxy.ledger.sqlite.schema import (
     TOOL_COLUMNS,
     load_record,
     load_run,
+    load_runs,
     row_to_record,
     save_record,
     save_run,
+    save_runs,
     upgrade,
 )
 from proxy.ledger.sqlite.writer import Checkpointer, GroupCommit, transaction
@@ -125,22 +127,22 @@ class SQLiteLedger(base.Ledger):
             return state or base.new_run(run_id, task, caps, now), []  # a root: one row
         if parent and (state is None or state.parent_run_id != parent):
             named = load_run(db, parent)
-            chain = [named, *(load_run(db, a) for a in (named.ancestors if named else ()))]
+            chain = [named, *load_runs(db, named.ancestors if named else ())]
             return base.open_run(state, chain, run_id, task, caps, parent, now), chain
         assert state is not None
-        return state, [load_run(db, a) for a in state.ancestors]
+        return state, load_runs(db, state.ancestors)
 
     def _save_chain(self, state: base.RunState, chain: list[base.RunState | None]) -> None:
-        save_run(self._db, state)
-        for node in chain:
-            if node is not None:
-                save_run(self._db, node)
+        if chain:
+            save_runs(self._db, [state, *chain])
+        else:
+            save_run(self._db, state)
 
     def _chain_of(self, run_id: str) -> tuple[base.RunState | None, list[base.RunState | None]]:
         state = load_run(self._db, run_id)
         if state is None or not state.ancestors:
             return state, []
-        return state, [load_run(self._db, a) for a in state.ancestors]
+        return state, load_runs(self._db, state.ancestors)
 
     def _begin_step(self, req: base.StepRequest) -> base.Reservation:
         state, chain = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)

@@ -16,7 +16,7 @@ import sqlite3
 from pathlib import Path
 
 from proxy.ledger.base import RecoveredReservation, apply_recovery, propagate, totals
-from proxy.ledger.sqlite.schema import load_run, save_run
+from proxy.ledger.sqlite.schema import load_run, load_runs, save_runs
 from proxy.ledger.sweep import DIED, log_turned_unknown
 
 
@@ -44,14 +44,11 @@ def settle_owner(db: sqlite3.Connection, owner: str, now: float) -> list[Recover
         state = load_run(db, run_id)
         if state is not None:
             # The whole chain: what the reservation held in its ancestors' subtree totals too.
-            chain = [load_run(db, a) for a in state.ancestors]
+            chain = load_runs(db, state.ancestors)
             before = totals(state)
             apply_recovery(state, usd, tin, tout, now)
             propagate(before, state, chain, now)
-            save_run(db, state)
-            for node in chain:
-                if node is not None:
-                    save_run(db, node)
+            save_runs(db, [state, *chain])
         out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
     db.execute(
         "INSERT OR REPLACE INTO swept_reservations SELECT owner, id, run_id, usd, "

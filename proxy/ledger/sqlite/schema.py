@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from proxy.caps import RunCaps
@@ -90,21 +92,9 @@ ADDED_COLUMNS = {
         ("operator_caps", "TEXT NOT NULL DEFAULT ''"),
         ("context_baseline", "INTEGER NOT NULL DEFAULT 0"),
         ("upstream_failures", "INTEGER NOT NULL DEFAULT 0"),
-        # Run trees (issue 22): a row written before reads as a root without children.
-        ("parent_run_id", "TEXT NOT NULL DEFAULT ''"),
-        ("root_run_id", "TEXT NOT NULL DEFAULT ''"),
-        ("ancestors", "TEXT NOT NULL DEFAULT ''"),  # JSON array, parent first; '' for a root
-        ("children", "INTEGER NOT NULL DEFAULT 0"),
-        ("sub_spent_usd", "INTEGER NOT NULL DEFAULT 0"),
-        ("sub_reserved_usd", "INTEGER NOT NULL DEFAULT 0"),
-        ("sub_tokens", "INTEGER NOT NULL DEFAULT 0"),
-        ("sub_reserved_tokens", "INTEGER NOT NULL DEFAULT 0"),
-        ("sub_steps", "INTEGER NOT NULL DEFAULT 0"),
-        ("sub_tool_calls", "INTEGER NOT NULL DEFAULT 0"),
-        ("max_depth", "INTEGER"),
-        ("max_children", "INTEGER"),
-        ("max_tree_steps", "INTEGER"),
-        ("max_tree_tool_calls", "INTEGER"),
+        # Run trees (issue 22), one JSON array ('' for a run in no tree: a row written before reads
+        # as a root, and a root pays one empty column, not fourteen): see `_tree_json`.
+        ("tree", "TEXT NOT NULL DEFAULT ''"),
     ),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
@@ -139,31 +129,19 @@ COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
     "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps, "
-    "context_baseline, upstream_failures, parent_run_id, root_run_id, ancestors, children, "
-    "sub_spent_usd, sub_reserved_usd, sub_tokens, sub_reserved_tokens, sub_steps, sub_tool_calls, "
-    "max_depth, max_children, max_tree_steps, max_tree_tool_calls"
+    "context_baseline, upstream_failures, tree"
 )
-UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 37)})"
+UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 24)})"
 
 
 def row_to_state(row: tuple[Any, ...]) -> RunState:
-    return RunState(
+    state = RunState(
         run_id=row[0],
         task=row[1],
         status=row[2],
         started_at=row[3],
         updated_at=row[4],
-        caps=RunCaps(
-            row[5],
-            row[6],
-            row[7],
-            row[8],
-            row[9],
-            max_depth=row[33],
-            max_children=row[34],
-            max_tree_steps=row[35],
-            max_tree_tool_calls=row[36],
-        ),
+        caps=RunCaps(row[5], row[6], row[7], row[8], row[9]),
         spent_usd_nanos=row[10],
         input_tokens=row[11],
         output_tokens=row[12],
@@ -177,17 +155,10 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         operator_caps=row[20],
         context_baseline=row[21],
         upstream_failures=row[22],
-        parent_run_id=row[23],
-        root_run_id=row[24],
-        ancestors=tuple(json.loads(row[25])) if row[25] else (),
-        children=row[26],
-        sub_spent_usd_nanos=row[27],
-        sub_reserved_usd_nanos=row[28],
-        sub_tokens=row[29],
-        sub_reserved_tokens=row[30],
-        sub_steps=row[31],
-        sub_tool_calls=row[32],
     )
+    if row[23]:
+        _load_tree(state, row[23])
+    return state
 
 
 def state_to_row(s: RunState) -> tuple[Any, ...]:
@@ -197,12 +168,46 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
         c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline,
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
-        s.operator_caps, s.context_baseline, s.upstream_failures,
-        s.parent_run_id, s.root_run_id, json.dumps(list(s.ancestors)) if s.ancestors else "", s.children,
-        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
-        s.sub_steps, s.sub_tool_calls,
-        c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+        s.operator_caps, s.context_baseline, s.upstream_failures, _tree_json(s),
     )  # fmt: skip
+
+
+def _tree_json(s: RunState) -> str:
+    """A run tree's fields as one JSON array; '' for a run in no tree (and without tree caps)."""
+    c = s.caps
+    fields = [
+        s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
+        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
+        s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+    ]  # fmt: skip
+    return json.dumps(fields) if any(fields) else ""
+
+
+def _load_tree(state: RunState, raw: str) -> None:
+    t = json.loads(raw)
+    state.parent_run_id, state.root_run_id, state.ancestors, state.children = t[0], t[1], tuple(t[2]), t[3]
+    (
+        state.sub_spent_usd_nanos, state.sub_reserved_usd_nanos, state.sub_tokens,
+        state.sub_reserved_tokens, state.sub_steps, state.sub_tool_calls,
+    ) = t[4:10]  # fmt: skip
+    state.caps = replace(
+        state.caps, max_depth=t[10], max_children=t[11], max_tree_steps=t[12], max_tree_tool_calls=t[13]
+    )
+
+
+def load_runs(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
+    """Several runs (a run's ancestors) in one statement, in the order asked."""
+    if not run_ids:
+        return []
+    rows = db.execute(
+        f"SELECT {COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * len(run_ids))})", tuple(run_ids)
+    ).fetchall()
+    found = {row[0]: row_to_state(row) for row in rows}
+    return [found.get(run_id) for run_id in run_ids]
+
+
+def save_runs(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:
+    db.executemany(UPSERT, [state_to_row(s) for s in states if s is not None])
 
 
 def upgrade(db: sqlite3.Connection) -> None:
