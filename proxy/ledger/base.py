@@ -103,6 +103,7 @@ class RunState:
     # created, so one read finds every state a call of this run checks and updates.
     ancestors: tuple[str, ...] = ()
     children: int = 0  # direct children started
+    child_ids: tuple[str, ...] = ()  # their ids, the first CHILD_IDS_KEPT of them (GET /runs)
     # What the run's descendants spent, hold reserved and counted — kept by every call of a
     # descendant, atomically with it (`propagate`): a run's dollar and token caps, and its
     # `max_tree_steps` / `max_tree_tool_calls`, bound its own use plus these.
@@ -660,6 +661,9 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
 # top-up of that ancestor (which is `budget_exceeded`) lets it continue.
 
 ANCESTOR_STOPPED = "ancestor_budget_exceeded"
+# A parent's state lists at most this many children's ids (it is written by every call of its
+# subtree, so it must stay small); `children` counts them all.
+CHILD_IDS_KEPT = 256
 _TREE_HEADER = {
     "max_usd": "X-Run-Max-Usd",
     "max_tokens": "X-Run-Max-Tokens",
@@ -755,6 +759,8 @@ def open_run(
         # The earlier of its own and its parent's (every ancestor's is checked on each call too).
         child.caps = replace(child.caps, deadline=_min_opt(child.caps.deadline, named.caps.deadline))
     named.children += 1
+    if len(named.child_ids) < CHILD_IDS_KEPT:
+        named.child_ids = (*named.child_ids, run_id)
     named.updated_at = max(named.updated_at, now)
     return child
 

@@ -66,7 +66,8 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
         "parent": state.parent_run_id or None,
         "root": state.root,
         "ancestors": list(state.ancestors),
-        "children": state.children,
+        "children": list(state.child_ids),  # the first 256; children_count counts them all
+        "children_count": state.children,
         "tree_caps": {
             "max_depth": caps.max_depth,
             "max_children": caps.max_children,

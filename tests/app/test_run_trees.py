@@ -63,7 +63,7 @@ async def test_six_children_with_eight_clients_each_stay_under_the_parents_cap( 
     children = [f"{p}.c{i}" for i in range(6)]
     await asyncio.gather(*(client(child) for child in children for _ in range(8)))
     tree = await rc.run(p)
-    assert tree["children"] == 6
+    assert tree["children_count"] == 6 and sorted(tree["children"]) == sorted(children)
     spent = Decimal(tree["subtree"]["cost_usd"])
     assert Decimal("0.475") <= spent <= Decimal("0.50"), spent
     assert Decimal(tree["subtree"]["reserved_usd"]) == 0
@@ -103,7 +103,7 @@ async def test_a_bad_parent_depth_and_fan_out_are_named_refusals(runcap_factory,
     # The path form: /r/{run}/p/{parent}/v1 is the run with X-Run-Parent.
     kid = f"{tag}-kid"
     assert (await ask({}, f"{rc.url}/r/{kid}/p/{root}/v1"))[0] == 200
-    assert (await rc.run(kid))["parent"] == root and (await rc.run(root))["children"] == 1
+    assert (await rc.run(kid))["parent"] == root and (await rc.run(root))["children"] == [kid]
     status, error = await ask({"X-Run-Id": f"{tag}-kid2", "X-Run-Parent": root})
     assert (status, error["code"], error["run"]) == (402, "max_children", root)
     status, error = await ask({}, f"{rc.url}/r/{tag}-grandkid/p/{kid}/v1")

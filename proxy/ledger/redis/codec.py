@@ -35,6 +35,7 @@ def _tree(s: RunState) -> list[object]:
         s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
         s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
         s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+        list(s.child_ids),
     ]  # fmt: skip
     return fields if any(f for f in fields) else []
 
@@ -61,6 +62,7 @@ def json_state(raw: bytes | str) -> RunState:
             state.sub_spent_usd_nanos, state.sub_reserved_usd_nanos, state.sub_tokens,
             state.sub_reserved_tokens, state.sub_steps, state.sub_tool_calls,
         ) = r[27:33]  # fmt: skip
+        state.child_ids = tuple(r[37])
     return state
 
 

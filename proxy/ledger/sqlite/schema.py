@@ -179,6 +179,7 @@ def _tree_json(s: RunState) -> str:
         s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
         s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
         s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+        list(s.child_ids),
     ]  # fmt: skip
     return json.dumps(fields) if any(fields) else ""
 
@@ -193,6 +194,7 @@ def _load_tree(state: RunState, raw: str) -> None:
     state.caps = replace(
         state.caps, max_depth=t[10], max_children=t[11], max_tree_steps=t[12], max_tree_tool_calls=t[13]
     )
+    state.child_ids = tuple(t[14])
 
 
 def load_runs(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:

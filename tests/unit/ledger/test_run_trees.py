@@ -53,6 +53,7 @@ async def test_a_child_is_linked_to_its_parent_and_root(make_ledger):  # type: i
     assert grandchild.ancestors == ("kid", "root")
     root = await run(led, "root")
     assert root.root == "root" and root.parent_run_id == "" and root.children == 1
+    assert root.child_ids == ("kid",)
     # The descendants' spend is in the ancestors' subtree totals, exactly.
     assert root.sub_spent_usd_nanos == child.spent_usd_nanos + grandchild.spent_usd_nanos
     assert (await run(led, "kid")).sub_spent_usd_nanos == grandchild.spent_usd_nanos
