@@ -135,6 +135,8 @@ def refusal(request_id: Any, rej: Rejection) -> dict[str, Any]:
     """runcap's rejection as the JSON-RPC error an MCP client reads."""
     code = ERROR_CODES.get(rej.type, INTERNAL_ERROR)
     data = {"type": rej.type, "code": rej.code, "message": rej.message}
+    if rej.run is not None:  # a run tree's cap: the run whose cap binds
+        data["run"] = rej.run
     return error_message(request_id, code, rej.message, data)
 
 
