@@ -109,9 +109,9 @@ async def bench_concurrent(ledger: Ledger, n: int, concurrency: int) -> dict[str
 async def bench_tree(ledger: Ledger, n: int, depth: int = 3) -> dict[str, Any]:
     """Run trees (issue 22): reserve + settle of a run `depth` levels below a capped root (its
     chain: the run and `depth` ancestors, each checked and updated in the same atomic operation),
-    against the same pair on a root, interleaved so both see the same machine. Each pair is a
-    new run's first call — the child's includes its creation under its parent — as in
-    `bench_ledger`."""
+    against the same pair on a root, interleaved so both see the same machine: a new run's first
+    call (the child's includes its creation under its parent), as in `bench_ledger`, and the
+    next call of a run that exists."""
     caps = RunCaps(max_usd_nanos=10**12, max_tokens=10**9)
     tag = secrets.token_hex(3)
     used = Settlement(input_tokens=400, output_tokens=100, cost_usd_nanos=800_000)
@@ -135,8 +135,23 @@ async def bench_tree(ledger: Ledger, n: int, depth: int = 3) -> dict[str, Any]:
             if i >= 200:
                 samples[kind].append(t1 - t0)
                 samples[f"{kind} pair"].append(time.perf_counter() - t0)
+    # The steady state: the next call of a run that exists (one root, one leaf, called in turns).
+    again: dict[str, list[float]] = {"root": [], "leaf": []}
+    for i in range(n + 200):
+        for kind in ("root", "leaf"):
+            now = time.time()
+            req = bench_step(f"t{tag}-{kind}0", caps, now)
+            t0 = time.perf_counter()
+            res = await ledger.begin_step(req)
+            if i >= 200:
+                again[kind].append(time.perf_counter() - t0)
+            await ledger.settle(res, used, now)
+    r2, l2 = _ms(again["root"]), _ms(again["leaf"])
     r, lf, rp, lp = (_ms(samples[k]) for k in ("root", "leaf", "root pair", "leaf pair"))
     return {
+        "root reserve (next call)": r2,
+        f"depth-{depth} reserve (next call)": l2,
+        "next-call reserve ratio_p50": round(l2["p50_ms"] / r2["p50_ms"], 2),
         "root reserve": r,
         f"depth-{depth} reserve": lf,
         "root reserve+settle": rp,
