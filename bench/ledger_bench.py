@@ -14,6 +14,7 @@
 
     .venv/bin/python -m bench.ledger_bench [--ops 5000] [--duration 10] [--concurrency 32] [--cluster]
         [--skip-tools] [--json F]
+        [--tree]   (3. a run three levels below a root vs a root: reserve + settle, interleaved)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import secrets
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -107,7 +109,64 @@ async def bench_concurrent(ledger: Ledger, n: int, concurrency: int) -> dict[str
     return {"pairs_per_s": round(n / wall), "cpu_us_per_pair": round(cpu * 1e6 / n, 1)}
 
 
-def _ledger_part(n: int, redis_url: str, cluster_url: str | None = None) -> dict[str, Any]:
+async def bench_tree(ledger: Ledger, n: int, depth: int = 3) -> dict[str, Any]:
+    """Run trees (issue 22): reserve + settle of a run `depth` levels below a capped root (its
+    chain: the run and `depth` ancestors, each checked and updated in the same atomic operation),
+    against the same pair on a root, interleaved so both see the same machine: a new run's first
+    call (the child's includes its creation under its parent), as in `bench_ledger`, and the
+    next call of a run that exists."""
+    caps = RunCaps(max_usd_nanos=10**12, max_tokens=10**9)
+    tag = secrets.token_hex(3)
+    used = Settlement(input_tokens=400, output_tokens=100, cost_usd_nanos=800_000)
+    parent = ""
+    for level in range(depth):  # root → ... → the leaves' parent
+        run_id = f"t{tag}-l{level}"
+        res = await ledger.begin_step(replace(bench_step(run_id, caps, time.time()), parent_run_id=parent))
+        await ledger.settle(res, used, time.time())
+        parent = run_id
+    samples: dict[str, list[float]] = {"root": [], "leaf": [], "root pair": [], "leaf pair": []}
+    for i in range(n + 200):  # the first 200 warm up
+        for kind in ("root", "leaf"):
+            now = time.time()
+            req = bench_step(f"t{tag}-{kind}{i}", caps, now)
+            if kind == "leaf":
+                req = replace(req, parent_run_id=parent)
+            t0 = time.perf_counter()
+            res = await ledger.begin_step(req)
+            t1 = time.perf_counter()
+            await ledger.settle(res, used, now)
+            if i >= 200:
+                samples[kind].append(t1 - t0)
+                samples[f"{kind} pair"].append(time.perf_counter() - t0)
+    # The steady state: the next call of a run that exists (one root, one leaf, called in turns).
+    again: dict[str, list[float]] = {"root": [], "leaf": []}
+    for i in range(n + 200):
+        for kind in ("root", "leaf"):
+            now = time.time()
+            req = bench_step(f"t{tag}-{kind}0", caps, now)
+            t0 = time.perf_counter()
+            res = await ledger.begin_step(req)
+            if i >= 200:
+                again[kind].append(time.perf_counter() - t0)
+            await ledger.settle(res, used, now)
+    r2, l2 = _ms(again["root"]), _ms(again["leaf"])
+    r, lf, rp, lp = (_ms(samples[k]) for k in ("root", "leaf", "root pair", "leaf pair"))
+    return {
+        "root reserve (next call)": r2,
+        f"depth-{depth} reserve (next call)": l2,
+        "next-call reserve ratio_p50": round(l2["p50_ms"] / r2["p50_ms"], 2),
+        "root reserve": r,
+        f"depth-{depth} reserve": lf,
+        "root reserve+settle": rp,
+        f"depth-{depth} reserve+settle": lp,
+        "reserve ratio_p50": round(lf["p50_ms"] / r["p50_ms"], 2),
+        "reserve+settle ratio_p50": round(lp["p50_ms"] / rp["p50_ms"], 2),
+    }
+
+
+def _ledger_part(
+    n: int, redis_url: str, cluster_url: str | None = None, tree: bool = False
+) -> dict[str, Any]:
     from proxy.ledger.redis import RedisLedger
     from proxy.ledger.sqlite import SQLiteLedger
 
@@ -118,12 +177,16 @@ def _ledger_part(n: int, redis_url: str, cluster_url: str | None = None) -> dict
         try:
             out["sqlite"] = await bench_ledger(sqlite, n)
             out["sqlite"]["concurrent c=64 reserve+settle"] = await bench_concurrent(sqlite, 4 * n, 64)
+            if tree:
+                out["sqlite tree"] = await bench_tree(sqlite, n)
         finally:
             await sqlite.close()
         redis = RedisLedger(redis_url, prefix=f"bench{secrets.token_hex(3)}:")
         try:
             out["redis"] = await bench_ledger(redis, n)
             out["redis"]["concurrent c=64 reserve+settle"] = await bench_concurrent(redis, 4 * n, 64)
+            if tree:
+                out["redis tree"] = await bench_tree(redis, n)
         finally:
             await redis.close()
         if cluster_url is None:
@@ -133,6 +196,8 @@ def _ledger_part(n: int, redis_url: str, cluster_url: str | None = None) -> dict
             out["redis-cluster"] = await bench_ledger(cluster, n)
             loaded = await bench_concurrent(cluster, 4 * n, 64)
             out["redis-cluster"]["concurrent c=64 reserve+settle"] = loaded
+            if tree:
+                out["redis-cluster tree"] = await bench_tree(cluster, n)
         finally:
             await cluster.close()
 
@@ -215,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-tools", action="store_true", help="ledger latencies only")
     ap.add_argument("--cluster", action="store_true", help="also on a 3-master Redis Cluster")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument(
+        "--tree", action="store_true", help="also a depth-3 run tree's reserve+settle vs a root's"
+    )
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
@@ -224,9 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     redis = RedisServer().start()
     cluster = RedisClusterServers().start() if args.cluster else None
     try:
-        ledgers = _ledger_part(args.ops, redis.url, cluster.url if cluster is not None else None)
+        ledgers = _ledger_part(
+            args.ops, redis.url, cluster.url if cluster is not None else None, tree=args.tree
+        )
         for backend, ops in ledgers.items():
             for op, v in ops.items():
+                if not isinstance(v, dict):
+                    print(f"{backend:<7} {op}: {v}", flush=True)
+                    continue
                 if "pairs_per_s" in v:
                     rate, cpu = v["pairs_per_s"], v["cpu_us_per_pair"]
                     print(f"{backend:<13} {op}: {rate} pairs/s, {cpu} µs CPU/pair", flush=True)

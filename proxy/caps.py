@@ -46,6 +46,12 @@ RUN_HEADERS = (
     "X-Run-Operation-Id",
     "X-Run-Client-Token",
     "X-Run-Max-Repeats",
+    # Run trees (issue 22)
+    "X-Run-Parent",
+    "X-Run-Max-Depth",
+    "X-Run-Max-Children",
+    "X-Run-Max-Tree-Steps",
+    "X-Run-Max-Tree-Tool-Calls",
 )
 _RUN_HEADERS = {name.lower(): name for name in RUN_HEADERS}
 # Headers read once per request that a second copy would silently lose to the first.
@@ -72,6 +78,12 @@ class RunCaps:
     # `X-Run-Max-Repeats`: identical tool calls / model requests a run may repeat
     # (proxy/ledger/repeats.py).
     max_repeats: int | None = None
+    # Run trees (issue 22): how many levels of sub-runs below this run, how many direct children
+    # it may start, and caps on the model calls / tool calls of its whole subtree (itself included).
+    max_depth: int | None = None
+    max_children: int | None = None
+    max_tree_steps: int | None = None
+    max_tree_tool_calls: int | None = None
 
     def lowered_by(self, other: RunCaps) -> RunCaps:
         """The tighter of two sets of caps, cap by cap (None is no cap)."""
@@ -84,6 +96,10 @@ class RunCaps:
             None,
             _min(self.max_context_tokens, other.max_context_tokens),
             _min(self.max_repeats, other.max_repeats),
+            _min(self.max_depth, other.max_depth),
+            _min(self.max_children, other.max_children),
+            _min(self.max_tree_steps, other.max_tree_steps),
+            _min(self.max_tree_tool_calls, other.max_tree_tool_calls),
         )
 
     def resolve_deadline(self, started_at: float) -> RunCaps:
@@ -98,6 +114,10 @@ class RunCaps:
             None,
             self.max_context_tokens,
             self.max_repeats,
+            self.max_depth,
+            self.max_children,
+            self.max_tree_steps,
+            self.max_tree_tool_calls,
         )
 
 
@@ -117,6 +137,8 @@ class RunRequest:
     caps: RunCaps
     operation_id: str | None = None
     idempotency_key: str | None = None
+    # The parent run (`X-Run-Parent`, namespaced by tenant like `run_id`); "" for none.
+    parent: str = ""
 
 
 def claimed_run_id(headers: Mapping[str, str]) -> str | None:
@@ -185,6 +207,35 @@ def parse_run_headers(
             param="X-Run-Deadline",
         )
 
+    parent = headers.get("X-Run-Parent", "")
+    if parent and not RUN_ID_RE.match(parent):
+        raise InvalidRequest(
+            f"X-Run-Parent: {parent[:140]!r} is not a run id (1-128 characters of A-Z a-z 0-9 . _ : -)",
+            param="X-Run-Parent",
+            code="parent_invalid",
+        )
+    if parent and parent == run_id:
+        raise InvalidRequest(
+            f"X-Run-Parent: run {run_id!r} names itself as its parent (a cycle); name the run that "
+            "started this one",
+            param="X-Run-Parent",
+            code="parent_cycle",
+        )
+    tree = {
+        name: _count(headers.get(header), header)
+        for name, header in (
+            ("max_depth", "X-Run-Max-Depth"),
+            ("max_children", "X-Run-Max-Children"),
+            ("max_tree_steps", "X-Run-Max-Tree-Steps"),
+            ("max_tree_tool_calls", "X-Run-Max-Tree-Tool-Calls"),
+        )
+    }
+    tree_caps = {
+        name: _apply(value, getattr(config, f"default_{setting}"), getattr(config, f"ceiling_{setting}"))
+        for name, value in tree.items()
+        for setting in (_TREE_SETTING.get(name, name),)
+    }
+
     has_time_header = deadline is not None or timeout_s is not None
     caps = RunCaps(
         max_usd_nanos=_apply(usd, config.default_max_usd_nanos, config.ceiling_max_usd_nanos),
@@ -200,6 +251,7 @@ def parse_run_headers(
             max_context, config.default_max_context_tokens, config.ceiling_max_context_tokens
         ),
         max_repeats=_apply(max_repeats, config.default_max_repeats, config.ceiling_max_repeats),
+        **tree_caps,
     )
     per_task = config.tasks.get(task) if task else None
     if per_task is not None:
@@ -222,6 +274,7 @@ def parse_run_headers(
                 caps.max_context_tokens,
             ),
             max_repeats=caps.max_repeats,
+            **tree_caps,
         )
 
     operation_id = headers.get("X-Run-Operation-Id")
@@ -231,8 +284,14 @@ def parse_run_headers(
     if key is not None and not 1 <= len(key) <= 256:
         raise InvalidRequest("Idempotency-Key: 1-256 characters", param="Idempotency-Key")
     if tenant is not None:
+        # The parent is looked up in the tenant's own namespace: another tenant's run is unknown.
         run_id = f"{tenant}:{run_id}"
-    return RunRequest(run_id, generated, task, caps, operation_id, key)
+        parent = f"{tenant}:{parent}" if parent else ""
+    return RunRequest(run_id, generated, task, caps, operation_id, key, parent)
+
+
+# `[caps]` names of the tree caps where they differ from the RunCaps field.
+_TREE_SETTING = {"max_children": "max_fan_out"}
 
 
 def check_run_header_names(headers: Mapping[str, str]) -> None:

@@ -34,9 +34,13 @@ class Rejection(Exception):
         param: str | None = None,
         status: int | None = None,
         headers: dict[str, str] | None = None,
+        run: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
+        # The run whose cap binds, when it is not the caller's own (a run tree's ancestor):
+        # `error.run` in the OpenAI shape (DESIGN.md "Rejections").
+        self.run = run
         if code is not None:
             self.code = code
         if param is not None:
@@ -48,9 +52,10 @@ class Rejection(Exception):
     def body(self, flavor: str) -> bytes:
         if flavor == "anthropic":
             return orjson.dumps({"type": "error", "error": {"type": self.type, "message": self.message}})
-        return orjson.dumps(
-            {"error": {"type": self.type, "code": self.code, "message": self.message, "param": self.param}}
-        )
+        error = {"type": self.type, "code": self.code, "message": self.message, "param": self.param}
+        if self.run is not None:
+            error["run"] = self.run
+        return orjson.dumps({"error": error})
 
     def response(self, flavor: str, extra_headers: dict[str, str] | None = None) -> web.Response:
         headers = {"x-should-retry": "false", **self.headers, **(extra_headers or {})}
@@ -78,10 +83,12 @@ class BudgetExceeded(Rejection):
         "max_steps": "steps_exceeded",
         "max_tool_calls": "tool_calls_exceeded",
         "max_upstream_failures": "budget_exceeded",
+        "max_tree_steps": "steps_exceeded",
+        "max_tree_tool_calls": "tool_calls_exceeded",
     }
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message, code=code, param=code)
+    def __init__(self, code: str, message: str, *, run: str | None = None) -> None:
+        super().__init__(message, code=code, param=code, run=run)
         self.run_status = self._RUN_STATUS.get(code)
 
 

@@ -302,6 +302,18 @@ class CapsConfig:
     ceiling_timeout_s: float | None = setting(None, "the furthest deadline, seconds", above=0)
     default_max_context_tokens: int | None = setting(None, "cap on one step's input tokens")
     ceiling_max_context_tokens: int | None = setting(None, "the highest cap on one step's input tokens")
+    # Run trees (issue 22): caps on the shape and the totals of a run's subtree.
+    default_max_depth: int | None = setting(None, "how many levels of sub-runs a run may have below it")
+    ceiling_max_depth: int | None = setting(None, "the deepest run tree a header may ask for")
+    # (`X-Run-Max-Children`)
+    default_max_fan_out: int | None = setting(None, "how many direct sub-runs a run may start")
+    ceiling_max_fan_out: int | None = setting(None, "the highest fan-out a header may ask for")
+    default_max_tree_steps: int | None = setting(None, "model-call cap of a run and its sub-runs together")
+    ceiling_max_tree_steps: int | None = setting(None, "the highest model-call cap of a run tree")
+    default_max_tree_tool_calls: int | None = setting(
+        None, "tool-call cap of a run and its sub-runs together"
+    )
+    ceiling_max_tree_tool_calls: int | None = setting(None, "the highest tool-call cap of a run tree")
     allow_unpriced: bool = setting(False, "a run with a dollar cap may call a model without a known price")
     min_output_tokens: int = setting(
         16, "a call is refused rather than clamped below this many output tokens", minimum=1

@@ -39,7 +39,7 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 
@@ -107,10 +107,34 @@ class RunState:
     root_run_id: str = ""
     # What the run repeated, under `X-Run-Max-Repeats` (empty without the cap): bounded windows.
     repeats: Repeats = field(default_factory=Repeats)
+    # The run's ancestors, parent first and root last (() for a root): fixed when the run is
+    # created, so one read finds every state a call of this run checks and updates.
+    ancestors: tuple[str, ...] = ()
+    children: int = 0  # direct children started
+    child_ids: tuple[str, ...] = ()  # their ids, the first CHILD_IDS_KEPT of them (GET /runs)
+    # What the run's descendants spent, hold reserved and counted — kept by every call of a
+    # descendant, atomically with it (`propagate`): a run's dollar and token caps, and its
+    # `max_tree_steps` / `max_tree_tool_calls`, bound its own use plus these.
+    sub_spent_usd_nanos: int = 0
+    sub_reserved_usd_nanos: int = 0
+    sub_tokens: int = 0
+    sub_reserved_tokens: int = 0
+    sub_steps: int = 0
+    sub_tool_calls: int = 0
 
     @property
     def root(self) -> str:
         return self.root_run_id or self.run_id
+
+    @property
+    def tree_usd_nanos(self) -> int:
+        """Spent and reserved by the run and its descendants."""
+        own = self.spent_usd_nanos + self.reserved_usd_nanos
+        return own + self.sub_spent_usd_nanos + self.sub_reserved_usd_nanos
+
+    @property
+    def tree_tokens(self) -> int:
+        return self.tokens_used + self.reserved_tokens + self.sub_tokens + self.sub_reserved_tokens
 
     @property
     def tool_calls(self) -> int:
@@ -128,10 +152,10 @@ class RunState:
         return {
             "usd_nanos": None
             if c.max_usd_nanos is None
-            else max(0, c.max_usd_nanos - self.spent_usd_nanos - self.reserved_usd_nanos),
+            else max(0, c.max_usd_nanos - self.tree_usd_nanos),
             "tokens": None
             if c.max_tokens is None
-            else max(0, c.max_tokens - self.tokens_used - self.reserved_tokens),
+            else max(0, c.max_tokens - self.tree_tokens),
             "steps": None if c.max_steps is None else max(0, c.max_steps - self.steps),
             "tool_calls": None if c.max_tool_calls is None else max(0, c.max_tool_calls - self.tool_calls),
             "ms": None if c.deadline is None else max(0.0, (c.deadline - now) * 1000.0),
@@ -173,6 +197,8 @@ class StepRequest:
     # `repeats.request_fingerprint` of the body the agent sent, when the request carries
     # `X-Run-Max-Repeats` ('' otherwise: nothing to compare).
     request_fingerprint: str = ""
+    # `X-Run-Parent` (the ledger's run id): the run that started this one; "" for none.
+    parent_run_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,9 +292,12 @@ class Ledger(abc.ABC):
         settlement of a reservation already settled does nothing, so a retried one is safe."""
 
     @abc.abstractmethod
-    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
+    async def touch_run(
+        self, run_id: str, task: str, caps: RunCaps, now: float, parent: str = ""
+    ) -> RunState:
         """Open or update the run for a call that reserves nothing (pass-through, tools) and
-        check its deadline and cancel flag. Raises a `Rejection`."""
+        check its deadline and cancel flag, and its ancestors' (`parent`: X-Run-Parent, for a
+        run this call may create). Raises a `Rejection`."""
 
     @abc.abstractmethod
     async def get_run(self, run_id: str) -> RunState | None: ...
@@ -276,7 +305,9 @@ class Ledger(abc.ABC):
     @abc.abstractmethod
     async def cancel(self, run_id: str, now: float) -> RunState | None:
         """Mark the run cancelled (creating it if unknown, so a cancel that races the first
-        request still wins). Returns the state."""
+        request still wins). Returns the state. Its descendants are cancelled with it: each of
+        their calls checks its ancestors (`check_tree_live`), and the cancel event names this
+        run, whose subtree `Flights.cancel_run` cuts."""
 
     @abc.abstractmethod
     async def set_status(self, run_id: str, status: str, now: float) -> None:
@@ -505,6 +536,13 @@ def touched_run(state: RunState | None, run_id: str, task: str, caps: RunCaps, n
     return state
 
 
+def check_touched(state: RunState, chain: Sequence[RunState | None], now: float) -> None:
+    """`touch_run`'s check: the run and its ancestors live."""
+    check_live(state, now)
+    if chain:
+        check_tree_live(state, chain, now)
+
+
 def check_live(state: RunState, now: float) -> None:
     """Refuse any call of a cancelled run or one past its deadline."""
     if state.cancelled:
@@ -525,11 +563,15 @@ def _set_status(state: RunState, status: str) -> None:
         state.status = status
 
 
-def decide_step(state: RunState, req: StepRequest) -> Reservation:
+def decide_step(state: RunState, req: StepRequest, chain: Sequence[RunState | None] = ()) -> Reservation:
     """Check every cap and compute the reservation. Mutates `state` (also when it raises: the
-    rejection's run status is recorded) — the caller persists `state` in both cases."""
+    rejection's run status is recorded) — the caller persists `state` in both cases. `chain`:
+    the run's ancestors (`RunState.ancestors`, None for one that expired), mutated and persisted
+    with it in the same way."""
     merge_caps(state, req.task, req.caps, req.now)
     check_live(state, req.now)
+    if chain or state.children:
+        return _decide_tree_step(state, req, chain)
     try:
         reservation = _reserve(state, req)
     except Rejection as rej:
@@ -667,6 +709,274 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
         hosted_uses=hosted_uses,
         uses=uses,
         request_fingerprint=req.request_fingerprint,
+    )
+
+
+# -- run trees (issue 22) ------------------------------------------------------------------------
+#
+# A run names its parent when it is created (`open_run`); its `ancestors` are fixed then. Every
+# call of a run with ancestors loads their states with its own and decides and writes them in one
+# atomic operation: the call is checked against its own caps and every ancestor's remaining
+# dollars, tokens and tree totals (`_tree_view`), and what it changes in its own totals is added
+# to each ancestor's `sub_*` (`propagate`), so an ancestor's cap bounds its whole subtree.
+# A run refused because an ancestor's cap binds is `ancestor_budget_exceeded`: not terminal, so a
+# top-up of that ancestor (which is `budget_exceeded`) lets it continue.
+
+ANCESTOR_STOPPED = "ancestor_budget_exceeded"
+# A parent's state lists at most this many children's ids (it is written by every call of its
+# subtree, so it must stay small); `children` counts them all.
+CHILD_IDS_KEPT = 256
+_TREE_HEADER = {
+    "max_usd": "X-Run-Max-Usd",
+    "max_tokens": "X-Run-Max-Tokens",
+    "max_tree_steps": "X-Run-Max-Tree-Steps",
+    "max_tree_tool_calls": "X-Run-Max-Tree-Tool-Calls",
+}
+
+
+def _parent_error(code: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"X-Run-Parent: {message}", code=code, param="X-Run-Parent")
+
+
+def _ended(state: RunState, now: float) -> str | None:
+    """Why `state` may not start a child (None: it may). Cancelled and past its deadline are
+    for good; a run stopped by a cap is not (a top-up lets it go on), so it may start a child —
+    whose calls its cap then refuses by name while it has nothing left."""
+    if state.cancelled or state.status == "cancelled":
+        return "was cancelled"
+    deadline = state.caps.deadline
+    if state.status == "deadline_exceeded" or (deadline is not None and now >= deadline):
+        return "passed its deadline"
+    return None
+
+
+def open_run(
+    state: RunState | None,
+    chain: Sequence[RunState | None],
+    run_id: str,
+    task: str,
+    caps: RunCaps,
+    parent: str,
+    now: float,
+) -> RunState:
+    """The run a call opens, placed in its tree. `state`: the run as stored (None: new); `parent`:
+    the request's X-Run-Parent ("" for none); `chain`: when the run is new or names a parent
+    other than its own, the named parent's state followed by its ancestors', else the run's own
+    ancestors. A new child gets its parent's tree (and its deadline when earlier than its own) and
+    counts as one of its children — `chain[0]` is mutated, persist it. Raises `InvalidRequest`
+    (code `parent_*`, param X-Run-Parent) or `BudgetExceeded` (`max_depth`, `max_children`)."""
+    if not parent or (state is not None and state.parent_run_id == parent):
+        return state if state is not None else new_run(run_id, task, caps, now)
+    named = chain[0] if chain else None
+    if parent == run_id or (named is not None and run_id in named.ancestors):
+        raise _parent_error(
+            "parent_cycle",
+            f"run {parent!r} is run {run_id!r} itself or one of its descendants: a run tree has no "
+            "cycles; name the run that started this one",
+        )
+    if state is not None:
+        was = f"run {state.parent_run_id!r}" if state.parent_run_id else "none (it is a root)"
+        raise _parent_error(
+            "parent_changed",
+            f"run {run_id!r} already exists with parent {was}; a run's parent is fixed when the run "
+            f"is created, so it cannot become a child of {parent!r}. Send its original X-Run-Parent "
+            "(or none), or start a new run",
+        )
+    if named is None:
+        raise _parent_error(
+            "parent_unknown",
+            f"no run {parent!r} (of this client's tenant) is known to this runcap; a parent must "
+            "have made a call first — send the child's calls after the parent's first request",
+        )
+    for node in (named, *chain[1:]):
+        why = None if node is None else _ended(node, now)
+        if node is not None and why is not None:
+            whose = "" if node is named else f" (its ancestor {node.run_id!r})"
+            raise _parent_error(
+                "parent_ended",
+                f"parent run {parent!r}{whose} {why}; a sub-run may only be started under a live run",
+            )
+    for distance, node in enumerate((named, *chain[1:]), start=1):
+        if node is not None and node.caps.max_depth is not None and distance > node.caps.max_depth:
+            raise BudgetExceeded(
+                "max_depth",
+                f"X-Run-Max-Depth: run {node.run_id} allows {node.caps.max_depth} levels of sub-runs "
+                f"below it; run {run_id} would be {distance} levels below it. Do the work in an "
+                "existing run instead of starting a deeper one",
+                run=node.run_id,
+            )
+    limit = named.caps.max_children
+    if limit is not None and named.children + 1 > limit:
+        raise BudgetExceeded(
+            "max_children",
+            f"X-Run-Max-Children: run {named.run_id} may start {limit} sub-runs and has started "
+            f"{named.children}; run {run_id} was not started. Reuse one of them, or end the run",
+            run=named.run_id,
+        )
+    child = new_run(run_id, task, caps, now)
+    child.parent_run_id = named.run_id
+    child.root_run_id = named.root
+    child.ancestors = (named.run_id, *named.ancestors)
+    if named.caps.deadline is not None:
+        # The earlier of its own and its parent's (every ancestor's is checked on each call too).
+        child.caps = replace(child.caps, deadline=_min_opt(child.caps.deadline, named.caps.deadline))
+    named.children += 1
+    if len(named.child_ids) < CHILD_IDS_KEPT:
+        named.child_ids = (*named.child_ids, run_id)
+    named.updated_at = max(named.updated_at, now)
+    return child
+
+
+def _min_opt(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def check_tree_live(state: RunState, chain: Sequence[RunState | None], now: float) -> None:
+    """Refuse a call of a run whose ancestor was cancelled or passed its deadline: a cancel cuts
+    the whole subtree, and a child's deadline is the earliest of its chain's."""
+    for node in chain:
+        if node is None:
+            continue
+        if node.cancelled:
+            _set_status(state, "cancelled")
+            raise RunCancelled(
+                f"run {state.run_id} was cancelled with its ancestor {node.run_id} (a cancel stops "
+                "the run's whole subtree); start a new run to continue"
+            )
+        deadline = node.caps.deadline
+        if deadline is not None and now >= deadline:
+            _set_status(state, "deadline_exceeded")
+            raise DeadlineExceeded(
+                f"run {state.run_id}: its ancestor {node.run_id} passed its deadline "
+                f"{now - deadline:.3f}s ago, and a sub-run ends with it; end the run"
+            )
+
+
+Totals = tuple[int, int, int, int, int, int]
+
+
+def totals(state: RunState) -> Totals:
+    """What a run's ancestors add up in their `sub_*` fields."""
+    return (
+        state.spent_usd_nanos, state.reserved_usd_nanos, state.tokens_used, state.reserved_tokens,
+        state.steps, state.tool_calls,
+    )  # fmt: skip
+
+
+def propagate(before: Totals, state: RunState, chain: Sequence[RunState | None], now: float) -> None:
+    """Add what changed in `state`'s totals since `before` to every ancestor's subtree totals."""
+    after = totals(state)
+    if after == before:
+        return
+    usd, res_usd, tokens, res_tokens, steps, tool_calls = (a - b for a, b in zip(after, before, strict=True))
+    for node in chain:
+        if node is None:
+            continue
+        node.sub_spent_usd_nanos += usd
+        node.sub_reserved_usd_nanos += res_usd
+        node.sub_tokens += tokens
+        node.sub_reserved_tokens += res_tokens
+        node.sub_steps += steps
+        node.sub_tool_calls += tool_calls
+        node.updated_at = max(node.updated_at, now)  # argMax(updated_at) picks the newest
+
+
+def _tightest(
+    nodes: Sequence[RunState], cap: Callable[[RunState], int | None], used: Callable[[RunState], int]
+) -> tuple[int, RunState] | None:
+    """(what is left, the node it is left of) of the tightest of the nodes' caps; None: no cap."""
+    best: tuple[int, RunState] | None = None
+    for node in nodes:
+        limit = cap(node)
+        if limit is not None and (best is None or limit - used(node) < best[0]):
+            best = (limit - used(node), node)
+    return best
+
+
+def _tree_view(state: RunState, chain: Sequence[RunState | None]) -> tuple[RunCaps, dict[str, RunState]]:
+    """The caps a call of `state` is decided under: each of its own lowered to what its subtree
+    and every ancestor's leave it; and, for each cap a tree node binds (an ancestor's, or the
+    run's own subtree cap), that node — keyed by the code `_reserve` raises."""
+    nodes = [state, *(n for n in chain if n is not None)]
+    c = state.caps
+    binds: dict[str, RunState] = {}
+    view = c
+    usd = _tightest(nodes, lambda n: n.caps.max_usd_nanos, lambda n: n.tree_usd_nanos)
+    if usd is not None:
+        view = replace(view, max_usd_nanos=state.spent_usd_nanos + state.reserved_usd_nanos + usd[0])
+        binds["max_usd"] = usd[1]
+    tokens = _tightest(nodes, lambda n: n.caps.max_tokens, lambda n: n.tree_tokens)
+    if tokens is not None:
+        view = replace(view, max_tokens=state.tokens_used + state.reserved_tokens + tokens[0])
+        binds["max_tokens"] = tokens[1]
+    steps = _tightest(nodes, lambda n: n.caps.max_tree_steps, lambda n: n.steps + n.sub_steps)
+    if steps is not None and (c.max_steps is None or state.steps + steps[0] < c.max_steps):
+        view = replace(view, max_steps=state.steps + max(0, steps[0]))
+        binds["max_steps"] = steps[1]
+    calls = _tightest(
+        nodes, lambda n: n.caps.max_tree_tool_calls, lambda n: n.tool_calls + n.sub_tool_calls
+    )
+    if calls is not None and (c.max_tool_calls is None or state.tool_calls + calls[0] < c.max_tool_calls):
+        view = replace(view, max_tool_calls=state.tool_calls + max(0, calls[0]))
+        binds["max_tool_calls"] = calls[1]
+    return view, binds
+
+
+def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunState | None]) -> Reservation:
+    check_tree_live(state, chain, req.now)
+    before = totals(state)
+    own = state.caps
+    view, binds = _tree_view(state, chain)
+    state.caps = view
+    try:
+        res = _reserve(state, req)
+    except Rejection as rej:
+        state.caps = own
+        node = binds.get(rej.code or "")
+        own_cap = node is state and not state.children and rej.code in ("max_usd", "max_tokens")
+        if not isinstance(rej, BudgetExceeded) or node is None or own_cap:
+            if rej.run_status:
+                _set_status(state, rej.run_status)
+            raise
+        raise _tree_rejection(state, node, rej) from None
+    state.caps = own
+    propagate(before, state, chain, req.now)
+    return replace(res, state=replace(state))
+
+
+def _tree_rejection(state: RunState, node: RunState, rej: BudgetExceeded) -> BudgetExceeded:
+    """A refusal because a tree node's cap binds: the node is `budget_exceeded` (or steps/tool
+    calls exceeded), the run `ancestor_budget_exceeded` when the node is an ancestor."""
+    tree_code = {"max_steps": "max_tree_steps", "max_tool_calls": "max_tree_tool_calls"}
+    code = tree_code.get(rej.code or "", rej.code or "max_usd")
+    c = node.caps
+    if code == "max_usd":
+        assert c.max_usd_nanos is not None
+        spent = node.spent_usd_nanos + node.sub_spent_usd_nanos
+        reserved = node.reserved_usd_nanos + node.sub_reserved_usd_nanos
+        what = (
+            f"${format_usd(max(0, c.max_usd_nanos - node.tree_usd_nanos))} left of its "
+            f"${format_usd(c.max_usd_nanos)} cap (spent ${format_usd(spent)}, "
+            f"${format_usd(reserved)} reserved by calls in flight)"
+        )
+    elif code == "max_tokens":
+        assert c.max_tokens is not None
+        what = f"{max(0, c.max_tokens - node.tree_tokens)} of its {c.max_tokens} tokens left"
+    elif code == "max_tree_steps":
+        what = f"used {node.steps + node.sub_steps} of its {c.max_tree_steps} model calls"
+    else:
+        what = f"used {node.tool_calls + node.sub_tool_calls} of its {c.max_tree_tool_calls} tool calls"
+    whose = "its own" if node is state else f"its ancestor {node.run_id}'s"
+    _set_status(node, rej.run_status or "budget_exceeded")
+    if node is not state:
+        _set_status(state, ANCESTOR_STOPPED)
+    return BudgetExceeded(
+        code,
+        f"{_TREE_HEADER[code]}: run {state.run_id} is bounded by {whose} cap, which covers that run's "
+        f"whole subtree: {node.run_id} has {what}, and this call needs more than that. An operator "
+        f"can top up run {node.run_id} (runcap caps {node.run_id} ...) to let its sub-runs "
+        "continue; otherwise end the run.",
+        run=node.run_id,
     )
 
 
@@ -813,6 +1123,15 @@ def note_repeats(state: RunState, reservation: Reservation, s: Settlement, limit
     state.repeats = repeats
 
 
+def apply_tree_settlement(
+    state: RunState, chain: Sequence[RunState | None], reservation: Reservation, s: Settlement, now: float
+) -> None:
+    """`apply_settlement` of a run with ancestors: the same change added to their subtree totals."""
+    before = totals(state)
+    apply_settlement(state, reservation, s, now)
+    propagate(before, state, chain, now)
+
+
 def apply_recovery(
     state: RunState, usd_nanos: int, input_tokens: int, output_tokens: int, now: float
 ) -> None:
@@ -895,6 +1214,7 @@ class ToolCallRequest:
     # method, path, the body restricted to the tool's `key_fields`, operation id) — passed also
     # when the caller's own Idempotency-Key is used. "" = not given: `args_hash` is compared.
     op_hash: str = ""
+    parent_run_id: str = ""  # `X-Run-Parent` (see StepRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -902,6 +1222,23 @@ class ToolCallStart:
     action: str  # "execute", "replay" (record is completed) or "wait" (in flight elsewhere)
     state: RunState
     record: IdempotencyRecord | None
+
+
+def _check_tree_tool_call(state: RunState, chain: Sequence[RunState | None]) -> None:
+    """One more tool call of `state` must fit every `max_tree_tool_calls` of its chain."""
+    for node in (state, *chain):
+        limit = None if node is None else node.caps.max_tree_tool_calls
+        if node is not None and limit is not None and node.tool_calls + node.sub_tool_calls + 1 > limit:
+            _set_status(node, "tool_calls_exceeded")
+            if node is not state:
+                _set_status(state, ANCESTOR_STOPPED)
+            raise BudgetExceeded(
+                "max_tree_tool_calls",
+                f"X-Run-Max-Tree-Tool-Calls: run {node.run_id} allows {limit} tool calls in its whole "
+                f"subtree and they are used; the call of run {state.run_id} was not executed — answer "
+                "without it, or have an operator raise the cap",
+                run=node.run_id,
+            )
 
 
 def same_operation(record: IdempotencyRecord, req: ToolCallRequest) -> bool:
@@ -951,7 +1288,12 @@ def _key_reused(record: IdempotencyRecord, req: ToolCallRequest) -> IdempotencyK
 
 
 def decide_tool_call(
-    state: RunState, record: IdempotencyRecord | None, req: ToolCallRequest, owner: str, owner_alive: bool
+    state: RunState,
+    record: IdempotencyRecord | None,
+    req: ToolCallRequest,
+    owner: str,
+    owner_alive: bool,
+    chain: Sequence[RunState | None] = (),
 ) -> ToolCallStart:
     """The rules of one `/tools` call. Mutates `state` and `record` (also when it raises: a
     rejection's run status, an in-flight record of a dead owner turned `unknown`) — the caller
@@ -962,6 +1304,8 @@ def decide_tool_call(
     waited for or executed, and the record is left as it is."""
     merge_caps(state, req.task, req.caps, req.now)
     check_live(state, req.now)
+    if chain:
+        check_tree_live(state, chain, req.now)
     if record is not None:
         if not same_operation(record, req):
             raise _key_reused(record, req)
@@ -989,7 +1333,11 @@ def decide_tool_call(
             f"X-Run-Max-Tool-Calls: run {state.run_id} has used all {caps.max_tool_calls} tool calls; "
             "the call was not executed — answer without it or start a new run",
         )
+    if (chain or state.children) and state.tool_calls_executed + 1 > state.tool_calls_requested:
+        _check_tree_tool_call(state, chain)
+    before = totals(state)
     state.tool_calls_executed += 1
+    propagate(before, state, chain, req.now)
     if state.status not in TERMINAL_STATUSES:
         state.status = "active"
     new = None

@@ -208,8 +208,10 @@ class GuardedLedger(Ledger):
     async def settle(self, reservation: Reservation, settlement: Settlement, now: float) -> RunState:
         return await self._guard("settle", lambda: self.backend.settle(reservation, settlement, now))
 
-    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> RunState:
-        return await self._guard("touch_run", lambda: self.backend.touch_run(run_id, task, caps, now))
+    async def touch_run(
+        self, run_id: str, task: str, caps: RunCaps, now: float, parent: str = ""
+    ) -> RunState:
+        return await self._guard("touch_run", lambda: self.backend.touch_run(run_id, task, caps, now, parent))
 
     async def get_run(self, run_id: str) -> RunState | None:
         return await self._guard("get_run", lambda: self.backend.get_run(run_id))

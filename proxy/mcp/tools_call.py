@@ -197,7 +197,7 @@ class MCPToolCalls:
             call.key = idempotency_key(run.run_id, qualified, args, operation_id)
         req = ToolCallRequest(
             run.run_id, run.task, run.caps, time.time(), qualified, call.key, call.args_hash,
-            method="tools/call", path="", op_hash=call.key or "",
+            method="tools/call", path="", op_hash=call.key or "", parent_run_id=run.parent,
         )  # fmt: skip
         limit = tool.max_calls_per_run if tool is not None else None
 

@@ -141,6 +141,8 @@ def refusal(request_id: Any, rej: Rejection) -> dict[str, Any]:
     approval_id = getattr(rej, "approval_id", None)  # approval_required: the approval to wait for
     if approval_id is not None:
         data["approval_id"] = approval_id
+    if rej.run is not None:  # a run tree's cap: the run whose cap binds
+        data["run"] = rej.run
     return error_message(request_id, code, rej.message, data)
 
 

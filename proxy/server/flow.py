@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -255,10 +256,33 @@ class Cuttable(Protocol):
 
 class Flights:
     """In-flight upstream calls (model and tool) by run, so a cancel can abort them (this
-    process only; `server/cancel.py` carries cancels made elsewhere to here)."""
+    process only; `server/cancel.py` carries cancels made elsewhere to here). A cancel of a run
+    cuts its subtree: the calls of every run whose ancestors include it (learnt from the run
+    states the calls got from the ledger, or the parent a call names before it has one)."""
+
+    ANCESTORS_KEPT = 10_000  # runs whose ancestors this process remembers
 
     def __init__(self) -> None:
         self._by_run: dict[str, dict[asyncio.Task[Any], Cuttable]] = {}
+        # A run's ancestors are fixed when it is created: once seen, they hold.
+        self._ancestors: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+
+    def _chain(self, run_id: str, calls: dict[asyncio.Task[Any], Cuttable]) -> tuple[str, ...]:
+        known = self._ancestors.get(run_id)
+        if known is not None:
+            return known
+        parent: tuple[str, ...] = ()
+        for call in calls.values():
+            state = getattr(call, "state", None)
+            if isinstance(state, RunState) and state.run_id == run_id:
+                self._ancestors[run_id] = state.ancestors
+                if len(self._ancestors) > self.ANCESTORS_KEPT:
+                    self._ancestors.popitem(last=False)
+                return tuple(state.ancestors)
+            run = getattr(call, "run", None)
+            if isinstance(run, RunRequest) and run.parent:
+                parent = (run.parent,)  # its first call, before the ledger answered
+        return parent
 
     def add(self, run_id: str, task: asyncio.Task[Any], flow: Cuttable) -> None:
         self._by_run.setdefault(run_id, {})[task] = flow
@@ -271,15 +295,22 @@ class Flights:
                 del self._by_run[run_id]
 
     def cancel_run(self, run_id: str) -> int:
-        tasks = self._by_run.get(run_id, {})
+        """Cut the calls in flight of `run_id` and of its descendants; how many were cut."""
         cut = 0
-        for task, flow in list(tasks.items()):
-            if flow.cut_reason == "cancel":
-                continue  # already cut: a second cancel would interrupt its clean-up
-            flow.cut_reason = "cancel"
-            task.cancel("runcap: run cancelled")
-            cut += 1
+        for rid, tasks in list(self._by_run.items()):
+            if rid != run_id and run_id not in self._chain(rid, tasks):
+                continue
+            for task, flow in list(tasks.items()):
+                if flow.cut_reason == "cancel":
+                    continue  # already cut: a second cancel would interrupt its clean-up
+                flow.cut_reason = "cancel"
+                task.cancel("runcap: run cancelled")
+                cut += 1
         return cut
 
     def run_ids(self) -> list[str]:
-        return list(self._by_run)
+        """The runs with calls in flight, and their ancestors (a cancel of one cuts them too)."""
+        ids = dict.fromkeys(self._by_run)
+        for rid, tasks in list(self._by_run.items()):
+            ids.update(dict.fromkeys(self._chain(rid, tasks)))
+        return list(ids)

@@ -69,6 +69,27 @@ def run_json(state: RunState, now: float) -> dict[str, Any]:
             "max_tool_calls": caps.max_tool_calls,
             "deadline": iso(caps.deadline),
         },
+        # Run trees (issue 22): the run's place in its tree, and its subtree's totals (the run
+        # and its descendants) that its dollar/token caps and tree caps bound.
+        "parent": state.parent_run_id or None,
+        "root": state.root,
+        "ancestors": list(state.ancestors),
+        "children": list(state.child_ids),  # the first 256; children_count counts them all
+        "children_count": state.children,
+        "tree_caps": {
+            "max_depth": caps.max_depth,
+            "max_children": caps.max_children,
+            "max_tree_steps": caps.max_tree_steps,
+            "max_tree_tool_calls": caps.max_tree_tool_calls,
+        },
+        "subtree": {
+            "cost_usd": format_usd(state.spent_usd_nanos + state.sub_spent_usd_nanos),
+            "reserved_usd": format_usd(state.reserved_usd_nanos + state.sub_reserved_usd_nanos),
+            "tokens": state.tokens_used + state.sub_tokens,
+            "reserved_tokens": state.reserved_tokens + state.sub_reserved_tokens,
+            "steps": state.steps + state.sub_steps,
+            "tool_calls": state.tool_calls + state.sub_tool_calls,
+        },
         # Same keys as caps; the deadline's remainder is in milliseconds.
         "remaining": {
             "max_usd": None if rem["usd_nanos"] is None else format_usd(int(rem["usd_nanos"])),

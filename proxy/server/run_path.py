@@ -1,6 +1,7 @@
-"""`/r/{run_id}[/t/{task}]/<route>`: run identity in the path, for agents that can set a base URL
-but no headers (`OPENAI_BASE_URL=http://host:8787/r/ticket-4711/v1`). The route behind it is
-served exactly as if the run (and task) had come as `X-Run-Id` / `X-Run-Task`."""
+"""`/r/{run_id}[/p/{parent_id}][/t/{task}]/<route>`: run identity in the path, for agents that can
+set a base URL but no headers (`OPENAI_BASE_URL=http://host:8787/r/ticket-4711/v1`; a sub-agent's
+`.../r/ticket-4711-a/p/ticket-4711/v1`). The route behind it is served exactly as if the run (its
+parent, its task) had come as `X-Run-Id` / `X-Run-Parent` / `X-Run-Task`."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from proxy.upstream_url import decode_segment, remaining_segments
 
 
 def run_path_request(request: web.Request) -> web.Request:
-    """`/r/{run_id}[/t/{task}]/<route>` → the same request for `<route>` with `X-Run-Id` (and
-    `X-Run-Task`) set; a header that disagrees with the path is a 400. The rest of the target is
-    kept exactly as received (still encoded), so the route's own checks see what was sent."""
+    """`/r/{run_id}[/p/{parent_id}][/t/{task}]/<route>` → the same request for `<route>` with
+    `X-Run-Id` (and `X-Run-Parent`, `X-Run-Task`) set; a header that disagrees with the path is a
+    400. The rest of the target is kept exactly as received (still encoded), so the route's own
+    checks see what was sent."""
     segments, query = remaining_segments(request.raw_path, 0)  # checks the whole target
     if len(segments) < 3:
         raise InvalidRequest("/r/{run_id}/...: the route after the run id is missing", param="path")
@@ -29,6 +31,16 @@ def run_path_request(request: web.Request) -> web.Request:
     rest = segments[2:]
     headers = CIMultiDict(request.headers)
     _agree(headers, "X-Run-Id", run_id)
+    if len(rest) >= 3 and rest[0] == "p":
+        parent = decode_segment(rest[1])
+        if not RUN_ID_RE.match(parent):
+            raise InvalidRequest(
+                f"/r/{{run_id}}/p/{{parent_id}}: {parent[:140]!r} is not a run id (1-128 characters of "
+                "A-Z a-z 0-9 . _ : -)",
+                param="X-Run-Parent",
+            )
+        _agree(headers, "X-Run-Parent", parent)
+        rest = rest[2:]
     if len(rest) >= 3 and rest[0] == "t":
         task = decode_segment(rest[1])
         if len(task) > 256 or not task.isprintable():

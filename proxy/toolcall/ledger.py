@@ -35,7 +35,7 @@ class ToolCallLedger:
         """The run's state for a request that is not a tool call (an MCP relay, a GET stream,
         runcap's own `tools/list`): refused once the run is cancelled or past its deadline."""
         return await self.metrics.timed_ledger_op(
-            "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, now)
+            "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, now, run.parent)
         )
 
     async def begin(self, req: ToolCallRequest) -> ToolCallStart:

@@ -154,7 +154,7 @@ class ToolGateway(ToolRoute):
             call.key = run.idempotency_key or op_hash
         req = ToolCallRequest(
             run.run_id, run.task, run.caps, time.time(), tool.name, call.key, call.args_hash,
-            method=request.method.upper(), path=call.path, op_hash=op_hash,
+            method=request.method.upper(), path=call.path, op_hash=op_hash, parent_run_id=run.parent,
         )  # fmt: skip
 
         async with self.in_flight(run.run_id, call, f"tool {tool.name!r}"):

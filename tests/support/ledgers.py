@@ -46,6 +46,17 @@ def tool(
     )  # fmt: skip
 
 
+async def die(ledger: Ledger) -> None:
+    """Simulate kill -9 of the process owning `ledger`: its liveness signal disappears."""
+    if isinstance(ledger, SQLiteLedger):
+        ledger._owner_file.close()  # the flock goes with the process
+    else:
+        assert isinstance(ledger, RedisLedger)
+        assert ledger._heartbeat_task is not None
+        ledger._heartbeat_task.cancel()
+        await ledger._r.delete(ledger._k_owner(ledger.owner))  # as if its TTL ran out
+
+
 @pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
 async def make_ledger(request, tmp_path: Path) -> AsyncIterator[Callable[..., Ledger]]:  # type: ignore[no-untyped-def]
     """make_ledger(**opts) → a ledger instance; every instance of one test shares one store."""

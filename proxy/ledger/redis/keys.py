@@ -53,6 +53,7 @@ root (`root=None`: the run is its own root).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -78,6 +79,11 @@ class RedisKeys:
     def tag(root: str) -> str:
         """The hash tag of a tree (run ids hold no braces: caps.py's charset)."""
         return "{" + root + "}"
+
+    def chain(self, runs: Sequence[tuple[str, str]]) -> list[str]:
+        """The keys of a run and its ancestors, as (run id, root) pairs, written together by one
+        script: all under the root's tag (one slot on a cluster)."""
+        return [self.run(run_id, root) for run_id, root in runs]
 
     def run(self, run_id: str, root: str | None = None) -> str:
         return f"{self.prefix}run:{{{root or run_id}}}:{run_id}"

@@ -65,7 +65,8 @@ from proxy.ledger.redis.codec import as_text
 from proxy.ledger.redis.keys import RedisKeys
 from proxy.ledger.redis.liveness import Liveness
 from proxy.ledger.redis.recovery import Recovery
-from proxy.ledger.redis.store import Conflict, Durability, RedisStore, ReplicasBehind, backoff
+from proxy.ledger.redis.store import Chain, Conflict, Durability, RedisStore, ReplicasBehind, backoff
+from proxy.ledger.redis.trees import TreeLocks
 
 log = logging.getLogger("runcap.ledger")
 
@@ -133,6 +134,7 @@ class RedisLedger(base.Ledger):
         # The in-flight records this instance wrote, to complete them without reading them back.
         self._mine: dict[tuple[str, str], base.IdempotencyRecord] = {}
         self._in_doubt: list[base.Reservation | base.IdempotencyRecord] = []
+        self._trees = TreeLocks()
 
     @property
     def cancel_channel(self) -> str:
@@ -159,26 +161,78 @@ class RedisLedger(base.Ledger):
     def _heartbeat_task(self) -> asyncio.Task[None] | None:
         return self._liveness.task
 
+    # -- run trees: a run and its ancestors, read together and written by one script ----------
+
+    async def _place(
+        self,
+        stored: base.RunState | None,
+        run_id: str,
+        task: str,
+        caps: RunCaps,
+        parent: str,
+        now: float,
+        *,
+        cached: bool,
+    ) -> tuple[base.RunState, Chain]:
+        """The run as read (`stored`), or new, placed in its tree (`base.open_run`), and its
+        ancestors as read. A root reads nothing more."""
+        if not parent and (stored is None or not stored.ancestors):
+            return stored or base.new_run(run_id, task, caps, now), []
+        store = self._store
+        chain: list[tuple[str, base.RunState | None]]
+        if parent and (stored is None or stored.parent_run_id != parent):
+            named = await store.read_run(parent, cached=cached)  # its root: from its pointer
+            up = named[1]
+            chain = [named, *(await store.read_runs(up.ancestors, up.root, cached=cached) if up else ())]
+        else:
+            assert stored is not None
+            chain = await store.read_runs(stored.ancestors, stored.root, cached=cached)
+        try:
+            state = base.open_run(stored, [st for _, st in chain], run_id, task, caps, parent, now)
+        except Rejection:
+            if not cached:
+                raise
+            # Refused on this process's copies of the parent: decide again on what Redis holds.
+            return await self._place(stored, run_id, task, caps, parent, now, cached=False)
+        self._trees.learn(state, [st for _, st in chain])
+        if stored is None and state.root != run_id:
+            # A new child: found by its id through a pointer to its tree (store.py), written
+            # before its state is.
+            await store.point(run_id, state.root)
+        return state, chain
+
+    async def _open(
+        self, run_id: str, task: str, caps: RunCaps, parent: str, now: float, *, cached: bool
+    ) -> tuple[str, base.RunState, Chain]:
+        version, stored = await self._store.read_run(run_id, cached=cached, index=True)
+        state, chain = await self._place(stored, run_id, task, caps, parent, now, cached=cached)
+        return version, state, chain
+
     # -- steps ----------------------------------------------------------------------------------
 
     async def begin_step(self, req: base.StepRequest) -> base.Reservation:
+        async with self._trees.lock(req.run_id, req.parent_run_id):
+            return await self._begin_step(req)
+
+    async def _begin_step(self, req: base.StepRequest) -> base.Reservation:
         await self._liveness.start()
         attempt = 0
         while True:
-            version, state = await self._store.read_run(req.run_id, cached=attempt == 0, index=True)
-            state = state or base.new_run(req.run_id, req.task, req.caps, req.now)
+            version, state, chain = await self._open(
+                req.run_id, req.task, req.caps, req.parent_run_id, req.now, cached=attempt == 0
+            )
             try:
-                res = base.decide_step(state, req)
+                res = base.decide_step(state, req, [st for _, st in chain])
             except Rejection:
                 try:
-                    await self._store.cas_run(version, state)
+                    await self._store.cas_run(version, state, chain)
                 except Conflict:
                     attempt += 1
                     await backoff(attempt)
                     continue
                 raise
             try:
-                ok = await self._store.add_reservation(version, state, res, self.owner, req.now)
+                ok = await self._store.add_reservation(version, state, res, self.owner, req.now, chain)
             except BaseException:  # also a cancel (timeout): the script may have run
                 self._in_doubt.append(res)
                 raise
@@ -199,6 +253,12 @@ class RedisLedger(base.Ledger):
     async def _settle_reservation(
         self, reservation: base.Reservation, settlement: base.Settlement, now: float, *, quiet: bool
     ) -> base.RunState:
+        async with self._trees.lock(reservation.run_id):
+            return await self._settle_in_tree(reservation, settlement, now, quiet=quiet)
+
+    async def _settle_in_tree(
+        self, reservation: base.Reservation, settlement: base.Settlement, now: float, *, quiet: bool
+    ) -> base.RunState:
         attempt = 0
         swept = False  # a sweep charged it at its reserved amount: correct that charge
         while True:
@@ -206,13 +266,21 @@ class RedisLedger(base.Ledger):
             if state is None:
                 self._liveness.live.pop(reservation.id, None)
                 raise KeyError(reservation.run_id)
+            chain: Chain = []
+            if state.ancestors:
+                chain = await self._store.read_runs(state.ancestors, state.root, cached=attempt == 0)
+            states = [st for _, st in chain]
+            if states:
+                self._trees.learn(state, states)
             if swept:
+                before = base.totals(state)
                 base.apply_unrecovery(
                     state, reservation.usd_nanos, reservation.input_tokens, reservation.output_tokens, now
                 )
-            base.apply_settlement(state, reservation, settlement, now)
+                base.propagate(before, state, states, now)
+            base.apply_tree_settlement(state, states, reservation, settlement, now)
             write = self._store.settle_swept if swept else self._store.settle_reservation
-            ok = await write(version, state, reservation.id, self.owner)
+            ok = await write(version, state, reservation.id, self.owner, chain)
             if ok == 1:
                 self._liveness.live.pop(reservation.id, None)
                 if swept:
@@ -239,24 +307,33 @@ class RedisLedger(base.Ledger):
             attempt += 1
             await backoff(attempt)
 
-    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> base.RunState:
-        rejection: Rejection | None = None
+    async def touch_run(
+        self, run_id: str, task: str, caps: RunCaps, now: float, parent: str = ""
+    ) -> base.RunState:
+        async with self._trees.lock(run_id, parent):
+            return await self._touch_run(run_id, task, caps, now, parent)
 
-        def decide(state: base.RunState | None) -> base.RunState:
-            nonlocal rejection
-            state = base.touched_run(state, run_id, task, caps, now)
+    async def _touch_run(
+        self, run_id: str, task: str, caps: RunCaps, now: float, parent: str
+    ) -> base.RunState:
+        attempt = 0
+        while True:
+            version, opened, chain = await self._open(run_id, task, caps, parent, now, cached=attempt == 0)
+            state = base.touched_run(opened, run_id, task, caps, now)
+            rejection: Rejection | None = None
             try:
-                base.check_live(state, now)
-                rejection = None
+                base.check_touched(state, [st for _, st in chain], now)
             except Rejection as rej:  # written too: the run's new status is part of the answer
                 rejection = rej
+            try:
+                await self._store.cas_run(version, state, chain)
+            except Conflict:
+                attempt += 1
+                await backoff(attempt)
+                continue
+            if rejection is not None:
+                raise rejection
             return state
-
-        state = await self._store.update_run(run_id, decide)
-        if rejection is not None:
-            raise rejection
-        assert state is not None
-        return state
 
     async def get_run(self, run_id: str) -> base.RunState | None:
         return (await self._store.read_run(run_id))[1]
@@ -321,17 +398,24 @@ class RedisLedger(base.Ledger):
     # -- tool calls -----------------------------------------------------------------------------
 
     async def begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
+        async with self._trees.lock(req.run_id, req.parent_run_id):
+            return await self._begin_tool_call(req)
+
+    async def _begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
         await self._liveness.start()
         attempt = 0
         while True:
             hit = self._store.cached_run(req.run_id) if attempt == 0 else None
+            read: base.RunState | None
             if hit is not None:
                 # First attempt on a run this process wrote last: guess "no record yet" (a new
                 # call, the common case); the compare-and-set checks both guesses.
-                (version, state), record, read_st = hit, None, ""
+                (version, read), record, read_st = hit, None, ""
             else:
                 version, read, record, read_st = await self._store.read_call(req.run_id, req.key)
-                state = read or base.new_run(req.run_id, req.task, req.caps, req.now)
+            state, chain = await self._place(
+                read, req.run_id, req.task, req.caps, req.parent_run_id, req.now, cached=attempt == 0
+            )
             alive = (
                 record is not None
                 and record.state == base.IN_FLIGHT
@@ -340,7 +424,7 @@ class RedisLedger(base.Ledger):
             rejection: Rejection | None = None
             start: base.ToolCallStart | None = None
             try:
-                start = base.decide_tool_call(state, record, req, self.owner, alive)
+                start = base.decide_tool_call(state, record, req, self.owner, alive, [st for _, st in chain])
             except Rejection as rej:
                 rejection = rej
             written = None
@@ -351,7 +435,9 @@ class RedisLedger(base.Ledger):
             owner = written.owner if written is not None else self.owner
             new_call = written is not None and written.state == base.IN_FLIGHT and written.owner == self.owner
             try:
-                ok = await self._store.start_call(version, state, req.key, read_st, written, owner, req.now)
+                ok = await self._store.start_call(
+                    version, state, req.key, read_st, written, owner, req.now, chain
+                )
             except BaseException:  # also a cancel (timeout): the script may have run
                 if new_call:
                     assert written is not None
@@ -431,14 +517,16 @@ class RedisLedger(base.Ledger):
                 return before
 
     async def _refund_tool_call(self, run_id: str, now: float) -> None:
-        def decide(state: base.RunState | None) -> base.RunState | None:
+        def decide(state: base.RunState | None, chain: list[base.RunState | None]) -> base.RunState | None:
             if state is None or state.tool_calls_executed == 0:
                 return None
+            before = base.totals(state)
             state.tool_calls_executed -= 1
             state.updated_at = max(state.updated_at, now)  # argMax(updated_at) picks the newest
+            base.propagate(before, state, chain, now)
             return state
 
-        await self._store.update_run(run_id, decide)
+        await self._store.update_tree(run_id, decide)
 
     # -- faults ---------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import time
 
 import orjson
 
-from proxy.ledger.base import Reservation, apply_unrecovery
+from proxy.ledger.base import Reservation, apply_unrecovery, propagate, totals
 from proxy.ledger.redis.store import RedisStore, backoff
 
 log = logging.getLogger("runcap.ledger")
@@ -105,8 +105,11 @@ class Liveness:
                 version, state = await store.read_run(res.run_id)
                 if state is None:
                     break
-                apply_unrecovery(state, usd, tin, tout, time.time())
-                ok = await store.take_back_reservation(version, state, res.id, self.owner, raw)
+                chain = await store.read_runs(state.ancestors, state.root) if state.ancestors else []
+                now, before = time.time(), totals(state)
+                apply_unrecovery(state, usd, tin, tout, now)
+                propagate(before, state, [st for _, st in chain], now)
+                ok = await store.take_back_reservation(version, state, res.id, self.owner, raw, chain)
                 if ok == 1:
                     taken += 1
                 if ok != 0:

@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import orjson
 
-from proxy.ledger.base import IN_FLIGHT, UNKNOWN, RecoveredReservation, apply_recovery
+from proxy.ledger.base import IN_FLIGHT, UNKNOWN, RecoveredReservation, apply_recovery, propagate, totals
 from proxy.ledger.redis.codec import as_text
 from proxy.ledger.redis.keys import LAYOUT_VERSION, RECORD_KEYS_VERSION
 from proxy.ledger.redis.liveness import Liveness
@@ -189,9 +189,13 @@ class Recovery:
                     if state is None:  # the run expired: drop the reservation
                         await store.r.hdel(keys.reservations(owner, root), rid)
                         break
-                    apply_recovery(state, usd, tin, tout, time.time())
+                    # A run of a tree: its ancestors' subtree totals held the reservation too.
+                    chain = await store.read_runs(state.ancestors, state.root) if state.ancestors else []
+                    now, before = time.time(), totals(state)
+                    apply_recovery(state, usd, tin, tout, now)
+                    propagate(before, state, [st for _, st in chain], now)
                     # Kept in swept:{<root>}:<owner>: an owner taken for dead by mistake takes it back.
-                    ok = await store.sweep_reservation(version, state, rid, owner, raw)
+                    ok = await store.sweep_reservation(version, state, rid, owner, raw, chain)
                     if ok == 1:
                         out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
                     if ok != 0:

@@ -146,6 +146,63 @@ return 1
 """
 
 
+# A run tree (issue 22): the same compare-and-sets over a run and its ancestors at once — every
+# state of the chain written only if none moved since it was read, with what the mode writes
+# besides (the mode's keys and arguments are those of the single-run script of the same name).
+# KEYS: the n runs (the run first, then its ancestors), then the mode's keys
+# ARGV: mode, n, ttl ms, then per run (expected version, state, new version), then the mode's
+# arguments. Every key under the tree's tag (the root's): one slot on a cluster. Modes: save
+# (nothing more) · begin (res:{<root>}:<owner>; reservation id, JSON) · settle (res:, swept:;
+# reservation id) · move (from, to; reservation id, JSON or '') · tool (tc, inflight:{<root>}:
+# <owner>, unknown:{<root>}, tcs:{<root>}; expected tc state, new tc state, record JSON, member,
+# now). Answers as the single-run scripts do (1, 0, and -1 / -2 for settle and move).
+_CHAIN = """
+local mode, n, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local a = 3 + 3 * n
+if redis.call('HGET', KEYS[1], 'v') == ARGV[6] then return 1 end  -- done: a retried send
+if mode == 'settle' and redis.call('HEXISTS', KEYS[n + 1], ARGV[a + 1]) == 0 then
+  if redis.call('HEXISTS', KEYS[n + 2], ARGV[a + 1]) == 1 then return -2 end
+  return -1
+end
+if mode == 'move' and redis.call('HEXISTS', KEYS[n + 1], ARGV[a + 1]) == 0 then return -1 end
+for i = 1, n do
+  if (redis.call('HGET', KEYS[i], 'v') or '') ~= ARGV[3 * i + 1] then return 0 end
+end
+if mode == 'tool' and (redis.call('HGET', KEYS[n + 1], 'st') or '') ~= ARGV[a + 1] then return 0 end
+for i = 1, n do
+  redis.call('HSET', KEYS[i], 'v', ARGV[3 * i + 3], 's', ARGV[3 * i + 2])
+  redis.call('PEXPIRE', KEYS[i], ttl)
+end
+if mode == 'begin' then
+  redis.call('HSET', KEYS[n + 1], ARGV[a + 1], ARGV[a + 2])
+  redis.call('PEXPIRE', KEYS[n + 1], ttl)
+elseif mode == 'settle' then
+  redis.call('HDEL', KEYS[n + 1], ARGV[a + 1])
+elseif mode == 'move' then
+  redis.call('HDEL', KEYS[n + 1], ARGV[a + 1])
+  if ARGV[a + 2] ~= '' then
+    redis.call('HSET', KEYS[n + 2], ARGV[a + 1], ARGV[a + 2])
+    redis.call('PEXPIRE', KEYS[n + 2], ttl)
+  end
+elseif mode == 'tool' then
+  if ARGV[a + 2] == 'in_flight' then
+    redis.call('HSET', KEYS[n + 1], 'st', 'in_flight', 'm', ARGV[a + 3], 'b', '')
+    redis.call('PEXPIRE', KEYS[n + 1], ttl)
+    redis.call('SADD', KEYS[n + 2], ARGV[a + 4])
+    redis.call('PEXPIRE', KEYS[n + 2], ttl)
+    redis.call('ZADD', KEYS[n + 4], ARGV[a + 5], ARGV[a + 4])
+    redis.call('PEXPIRE', KEYS[n + 4], ttl)
+  elseif ARGV[a + 2] == 'unknown' then
+    redis.call('HSET', KEYS[n + 1], 'st', 'unknown', 'm', ARGV[a + 3])
+    redis.call('SREM', KEYS[n + 2], ARGV[a + 4])
+    redis.call('ZADD', KEYS[n + 3], ARGV[a + 5], ARGV[a + 4])
+    redis.call('PEXPIRE', KEYS[n + 3], ttl)
+  end
+end
+return 1
+"""
+
+
 class Scripts:
     """The scripts registered on one client (EVALSHA, loaded on first use)."""
 
@@ -159,3 +216,4 @@ class Scripts:
         self.move_legacy = r.register_script(_MOVE_LEGACY)
         # A layout-2 key moved to its tree's tag (RENAME: a single Redis only, as keys.py says).
         self.move_key = r.register_script(_MOVE_KEY)
+        self.chain = r.register_script(_CHAIN)

@@ -27,7 +27,7 @@ import random
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -48,6 +48,8 @@ ROOT_CACHE = 100_000  # run ids whose root this process remembers
 
 Client = aioredis.Redis | RedisCluster
 ScriptArgs = list[str | bytes | int | float]
+# A run's ancestors as read: (version, state) each, parent first; state None for one that expired.
+Chain = Sequence[tuple[str, RunState | None]]
 
 
 class ReplicasBehind(RedisError):
@@ -352,6 +354,56 @@ class RedisStore:
             state.root_run_id = root
         return state
 
+    async def read_runs(
+        self, run_ids: Sequence[str], root: str, cached: bool = False
+    ) -> list[tuple[str, RunState | None]]:
+        """Several runs of `root`'s tree (a run's ancestors) and their versions, in one round trip
+        (none when `cached` and this process wrote each last)."""
+        out: list[tuple[str, RunState | None]] = []
+        missing: list[int] = []
+        for i, run_id in enumerate(run_ids):
+            hit = self.cached_run(run_id) if cached else None
+            out.append(hit if hit is not None else ("", None))
+            if hit is None:
+                missing.append(i)
+        if missing:
+            pipe = self.r.pipeline(transaction=False)
+            for i in missing:
+                pipe.hmget(self.keys.run(run_ids[i], root), ["v", "s"])
+            for i, (v, s) in zip(missing, await pipe.execute(), strict=True):
+                version = as_text(v) if v else ""
+                if s:
+                    data = as_bytes(s)
+                    self.remember(run_ids[i], version, data)
+                    self.learn_root(run_ids[i], root)
+                    out[i] = (version, self._placed(json_state(data), root))
+                else:
+                    out[i] = (version, None)
+        return out
+
+    async def write_chain(
+        self, mode: str, version: str, state: RunState, chain: Chain, keys: list[str], args: ScriptArgs
+    ) -> int:
+        """`mode`'s single-run script (scripts.py `_CHAIN`) over the run and its ancestors (those
+        that still exist), all under the root's tag: every state written only if none moved since
+        it was read. A reservation's or settlement's write is acknowledged as theirs are."""
+        runs = [(version, state), *((v, st) for v, st in chain if st is not None)]
+        argv: ScriptArgs = [mode, len(runs), self.retention_ms]
+        written = []
+        for v, st in runs:
+            after, data = new_version(), state_json(st)
+            argv += [v, data, after]
+            written.append((st.run_id, after, data))
+        all_keys = [*self.keys.chain([(st.run_id, state.root) for _, st in runs]), *keys]
+        if mode in ("begin", "settle", "move"):
+            ok = int(await self._script(self.scripts.chain, all_keys, [*argv, *args]))  # type: ignore[call-overload]
+        else:
+            ok = int(await self.scripts.chain(keys=all_keys, args=[*argv, *args]))
+        if ok == 1:
+            for run_id, after, data in written:
+                self.remember(run_id, after, data)
+        return ok
+
     def remember(self, run_id: str, version: str, state_json: bytes) -> None:
         runs = self._runs
         runs[run_id] = (version, state_json)
@@ -359,8 +411,13 @@ class RedisStore:
         if len(runs) > RUN_CACHE:
             runs.popitem(last=False)
 
-    async def cas_run(self, version: str, state: RunState) -> None:
-        """Write `state` if the run still has `version`; `Conflict` otherwise."""
+    async def cas_run(self, version: str, state: RunState, chain: Chain = ()) -> None:
+        """Write `state` (and its ancestors' in `chain`) if the run still has `version` (and they
+        theirs); `Conflict` otherwise."""
+        if chain:
+            if not await self.write_chain("save", version, state, chain, [], []):
+                raise Conflict
+            return
         version_after, data = new_version(), state_json(state)
         ok = await self.scripts.save_run(
             keys=[self.keys.run(state.run_id, state.root)],
@@ -369,6 +426,33 @@ class RedisStore:
         if not ok:
             raise Conflict
         self.remember(state.run_id, version_after, data)
+
+    async def update_tree(
+        self,
+        run_id: str,
+        decide: Callable[[RunState | None, list[RunState | None]], RunState | None],
+        *,
+        cached: bool = True,
+    ) -> RunState | None:
+        """`update_run` for a change that its ancestors take too (`propagate`): `decide` gets the
+        run and its ancestors' states, and the run and each ancestor are written together."""
+        attempt = 0
+        while True:
+            version, state = await self.read_run(run_id, cached=cached and attempt == 0)
+            chain = (
+                await self.read_runs(state.ancestors, state.root, cached=cached and attempt == 0)
+                if state is not None and state.ancestors
+                else []
+            )
+            state = decide(state, [st for _, st in chain])
+            if state is None:
+                return None
+            try:
+                await self.cas_run(version, state, chain)
+                return state
+            except Conflict:
+                attempt += 1
+                await backoff(attempt)
 
     async def update_run(
         self, run_id: str, decide: Callable[[RunState | None], RunState | None], *, cached: bool = True
@@ -392,12 +476,19 @@ class RedisStore:
     # -- reservations (the run written with them, if it still has `version`) --------------------
 
     async def add_reservation(
-        self, version: str, state: RunState, res: Reservation, owner: str, now: float
+        self, version: str, state: RunState, res: Reservation, owner: str, now: float, chain: Chain = ()
     ) -> bool:
-        """The run and `res` in `res:{<root>}:<owner>` (made at `now`)."""
+        """The run (and its ancestors in `chain`) and `res` in `res:{<root>}:<owner>` (made at
+        `now`)."""
         k, root, version_after, data = self.keys, state.root, new_version(), state_json(state)
         await self.index(root, listed=True)  # (done by the read already, unless the root moved)
         entry = orjson.dumps([res.run_id, res.usd_nanos, res.input_tokens, res.output_tokens, now])
+        if chain:
+            return bool(
+                await self.write_chain(
+                    "begin", version, state, chain, [k.reservations(owner, root)], [res.id, entry]
+                )
+            )
         ok = await self._script(
             self.scripts.begin_step,
             [k.run(state.run_id, root), k.reservations(owner, root)],
@@ -407,42 +498,59 @@ class RedisStore:
             self.remember(state.run_id, version_after, data)
         return bool(ok)
 
-    async def settle_reservation(self, version: str, state: RunState, reservation_id: str, owner: str) -> int:
+    async def settle_reservation(
+        self, version: str, state: RunState, reservation_id: str, owner: str, chain: Chain = ()
+    ) -> int:
         """The run, with the reservation dropped from `res:`. 1: done; 0: the run moved;
-        -1: the reservation is gone (settled already); -2: a sweep charged it (`settle_swept`)."""
+        -1: the reservation is gone (settled already); -2: a sweep charged it (`settle_swept`).
+        `chain`: the run's ancestors, written with it (every method below takes it too)."""
         k, root = self.keys, state.root
+        if chain:
+            return await self.write_chain(
+                "settle", version, state, chain, [k.reservations(owner, root), k.swept(owner, root)],
+                [reservation_id],
+            )  # fmt: skip
         keys = [k.run(state.run_id, root), k.reservations(owner, root), k.swept(owner, root)]
         return await self._write_reservation(self.scripts.settle, keys, version, state, reservation_id)
 
-    async def settle_swept(self, version: str, state: RunState, reservation_id: str, owner: str) -> int:
+    async def settle_swept(
+        self, version: str, state: RunState, reservation_id: str, owner: str, chain: Chain = ()
+    ) -> int:
         """The run, with the reservation dropped from `swept:`. -1: not there (any more)."""
         k, root = self.keys, state.root
         return await self._move(
-            version, state, reservation_id, k.swept(owner, root), k.reservations(owner, root), ""
+            version, state, reservation_id, k.swept(owner, root), k.reservations(owner, root), "", chain
         )
 
     async def sweep_reservation(
-        self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str
-    ) -> int:
+        self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str,
+        chain: Chain = (),
+    ) -> int:  # fmt: skip
         """The run, with the reservation moved from `res:` to `swept:` (of `owner`, its tree)."""
         k, root = self.keys, state.root
         return await self._move(
-            version, state, reservation_id, k.reservations(owner, root), k.swept(owner, root), entry
+            version, state, reservation_id, k.reservations(owner, root), k.swept(owner, root), entry, chain
         )
 
     async def take_back_reservation(
-        self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str
-    ) -> int:
+        self, version: str, state: RunState, reservation_id: str, owner: str, entry: bytes | str,
+        chain: Chain = (),
+    ) -> int:  # fmt: skip
         """The run, with the reservation moved back from `swept:` to `res:`."""
         k, root = self.keys, state.root
         return await self._move(
-            version, state, reservation_id, k.swept(owner, root), k.reservations(owner, root), entry
+            version, state, reservation_id, k.swept(owner, root), k.reservations(owner, root), entry, chain
         )
 
     async def _move(
-        self, version: str, state: RunState, reservation_id: str, source: str, target: str, entry: bytes | str
-    ) -> int:
+        self, version: str, state: RunState, reservation_id: str, source: str, target: str,
+        entry: bytes | str, chain: Chain = (),
+    ) -> int:  # fmt: skip
         """The run, with the reservation moved from `source` to `target` (dropped: `entry` "")."""
+        if chain:
+            return await self.write_chain(
+                "move", version, state, chain, [source, target], [reservation_id, entry]
+            )
         keys = [self.keys.run(state.run_id, state.root), source, target]
         return await self._write_reservation(
             self.scripts.move_res, keys, version, state, reservation_id, entry
@@ -500,6 +608,7 @@ class RedisStore:
         written: IdempotencyRecord | None,
         owner: str,
         now: float,
+        chain: Chain = (),
     ) -> bool:
         """The run, and the call's record if the decision changed it (`written`: a new in-flight
         record of `owner`, or one turned unknown), if the record's state is still `read_st`."""
@@ -507,6 +616,21 @@ class RedisStore:
         version_after, data = new_version(), state_json(state)
         if written is not None and owner == self.owner:
             await self.index(root, listed=True)
+        if chain:
+            return bool(
+                await self.write_chain(
+                    "tool", version, state, chain,
+                    [
+                        self._call_key(run_id, key, root), k.inflight(owner, root), k.unknown(root),
+                        k.calls(root),
+                    ],
+                    [
+                        read_st, written.state if written is not None else "",
+                        record_json(written) if written is not None else "", member(run_id, key or ""),
+                        str(now),
+                    ],
+                )
+            )  # fmt: skip
         ok = await self.scripts.begin_tool(
             keys=[
                 k.run(run_id, root), self._call_key(run_id, key, root), k.inflight(owner, root),

@@ -44,9 +44,11 @@ from proxy.ledger.sqlite.schema import (
     TOOL_COLUMNS,
     load_record,
     load_run,
+    load_runs,
     row_to_record,
     save_record,
     save_run,
+    save_runs,
     upgrade,
 )
 from proxy.ledger.sqlite.writer import Checkpointer, GroupCommit, transaction
@@ -106,18 +108,49 @@ class SQLiteLedger(base.Ledger):
         self._writes.open = max(0, self._writes.open - 1)
         return await self._writes.run(lambda: self._settle(reservation, settlement, now))
 
-    async def touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> base.RunState:
-        return await self._writes.run(lambda: self._touch_run(run_id, task, caps, now))
+    async def touch_run(
+        self, run_id: str, task: str, caps: RunCaps, now: float, parent: str = ""
+    ) -> base.RunState:
+        return await self._writes.run(lambda: self._touch_run(run_id, task, caps, now, parent))
 
     def drain_in_doubt(self) -> list[base.Reservation | base.IdempotencyRecord]:
         return self._writes.drain_in_doubt()
 
+    # -- run trees: a run and its ancestors, read and written in the same transaction ----------
+
+    def _open(
+        self, run_id: str, task: str, caps: RunCaps, parent: str, now: float
+    ) -> tuple[base.RunState, list[base.RunState | None]]:
+        """The run (new or stored, placed in its tree: `base.open_run`) and its ancestors."""
+        db = self._db
+        state = load_run(db, run_id)
+        if not parent and (state is None or not state.ancestors):
+            return state or base.new_run(run_id, task, caps, now), []  # a root: one row
+        if parent and (state is None or state.parent_run_id != parent):
+            named = load_run(db, parent)
+            chain = [named, *load_runs(db, named.ancestors if named else ())]
+            return base.open_run(state, chain, run_id, task, caps, parent, now), chain
+        assert state is not None
+        return state, load_runs(db, state.ancestors)
+
+    def _save_chain(self, state: base.RunState, chain: list[base.RunState | None]) -> None:
+        if chain:
+            save_runs(self._db, [state, *chain])
+        else:
+            save_run(self._db, state)
+
+    def _chain_of(self, run_id: str) -> tuple[base.RunState | None, list[base.RunState | None]]:
+        state = load_run(self._db, run_id)
+        if state is None or not state.ancestors:
+            return state, []
+        return state, load_runs(self._db, state.ancestors)
+
     def _begin_step(self, req: base.StepRequest) -> base.Reservation:
-        state = load_run(self._db, req.run_id) or base.new_run(req.run_id, req.task, req.caps, req.now)
+        state, chain = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
         try:
-            res = base.decide_step(state, req)
+            res = base.decide_step(state, req, chain)
         finally:
-            save_run(self._db, state)  # a rejection changed the run's status too
+            self._save_chain(state, chain)  # a rejection changed the run's status too
         self._db.execute(
             "INSERT INTO reservations (id, run_id, owner, usd, input_tokens, output_tokens, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -135,7 +168,7 @@ class SQLiteLedger(base.Ledger):
             ).rowcount
             == 0
         )
-        state = load_run(self._db, reservation.run_id)
+        state, chain = self._chain_of(reservation.run_id)
         if state is None:
             raise KeyError(reservation.run_id)
         swept = None
@@ -149,9 +182,11 @@ class SQLiteLedger(base.Ledger):
             # A sweep charged it at its reserved amount (this process was thought dead): the
             # real usage replaces that charge — never charged twice, never left at the guess.
             usd, tin, tout = swept
+            before = base.totals(state)
             base.apply_unrecovery(state, usd, tin, tout, now)
-            base.apply_settlement(state, reservation, settlement, now)
-            save_run(self._db, state)
+            base.propagate(before, state, chain, now)
+            base.apply_tree_settlement(state, chain, reservation, settlement, now)
+            self._save_chain(state, chain)
             log.warning(
                 "reservation %s of run %s had been charged at its reserved amount by a sweep; "
                 "now settled at its real usage", reservation.id, reservation.run_id,
@@ -159,16 +194,17 @@ class SQLiteLedger(base.Ledger):
         elif gone:
             log.warning("reservation %s of run %s was already settled", reservation.id, reservation.run_id)
         else:
-            base.apply_settlement(state, reservation, settlement, now)
-            save_run(self._db, state)
+            base.apply_tree_settlement(state, chain, reservation, settlement, now)
+            self._save_chain(state, chain)
         return state
 
-    def _touch_run(self, run_id: str, task: str, caps: RunCaps, now: float) -> base.RunState:
-        state = base.touched_run(load_run(self._db, run_id), run_id, task, caps, now)
+    def _touch_run(self, run_id: str, task: str, caps: RunCaps, now: float, parent: str) -> base.RunState:
+        opened, chain = self._open(run_id, task, caps, parent, now)
+        state = base.touched_run(opened, run_id, task, caps, now)
         try:
-            base.check_live(state, now)
+            base.check_touched(state, chain, now)
         finally:
-            save_run(self._db, state)
+            self._save_chain(state, chain)  # a new child counted in its parent too
         return state
 
     async def get_run(self, run_id: str) -> base.RunState | None:
@@ -252,17 +288,17 @@ class SQLiteLedger(base.Ledger):
 
     async def begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
         with transaction(self._db) as db:
-            state = load_run(self._db, req.run_id) or base.new_run(req.run_id, req.task, req.caps, req.now)
+            state, chain = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
             record = load_record(self._db, req.run_id, req.key) if req.key is not None else None
             alive = record is not None and record.state == base.IN_FLIGHT and self._owners.alive(record.owner)
             try:
-                start = base.decide_tool_call(state, record, req, self.owner, alive)
+                start = base.decide_tool_call(state, record, req, self.owner, alive, chain)
             except Rejection:
-                save_run(self._db, state)
+                self._save_chain(state, chain)
                 if record is not None:  # e.g. a dead owner's in-flight record, now unknown
                     save_record(db, record)
                 raise
-            save_run(self._db, state)
+            self._save_chain(state, chain)
             if start.action == "execute" and start.record is not None:
                 save_record(db, start.record)
             return start
@@ -328,12 +364,14 @@ class SQLiteLedger(base.Ledger):
             else:
                 # It did not happen: the next attempt executes, and this one is not counted.
                 db.execute("DELETE FROM tool_calls WHERE run_id = ? AND key = ?", (run_id, key))
-                state = load_run(self._db, run_id)
+                state, chain = self._chain_of(run_id)
                 if state is not None and state.tool_calls_executed > 0:
+                    before = base.totals(state)
                     state.tool_calls_executed -= 1
                     # argMax(updated_at) picks the newest
                     state.updated_at = max(state.updated_at, verdict.now)
-                    save_run(self._db, state)
+                    base.propagate(before, state, chain, verdict.now)
+                    self._save_chain(state, chain)
             return record
 
     async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from proxy.caps import RunCaps
@@ -93,6 +95,9 @@ ADDED_COLUMNS = {
         ("upstream_failures", "INTEGER NOT NULL DEFAULT 0"),
         ("max_repeats", "INTEGER"),
         ("repeats", "TEXT NOT NULL DEFAULT ''"),
+        # Run trees (issue 22), one JSON array ('' for a run in no tree: a row written before reads
+        # as a root, and a root pays one empty column, not fourteen): see `_tree_json`.
+        ("tree", "TEXT NOT NULL DEFAULT ''"),
     ),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
@@ -127,13 +132,13 @@ COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
     "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps, "
-    "context_baseline, upstream_failures, max_repeats, repeats"
+    "context_baseline, upstream_failures, max_repeats, repeats, tree"
 )
-UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 25)})"
+UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 26)})"
 
 
 def row_to_state(row: tuple[Any, ...]) -> RunState:
-    return RunState(
+    state = RunState(
         run_id=row[0],
         task=row[1],
         status=row[2],
@@ -155,6 +160,9 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         upstream_failures=row[22],
         repeats=Repeats.from_json(row[24]),
     )
+    if row[25]:
+        _load_tree(state, row[25])
+    return state
 
 
 def state_to_row(s: RunState) -> tuple[Any, ...]:
@@ -165,7 +173,48 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
         s.operator_caps, s.context_baseline, s.upstream_failures, c.max_repeats, s.repeats.to_json(),
+        _tree_json(s),
     )  # fmt: skip
+
+
+def _tree_json(s: RunState) -> str:
+    """A run tree's fields as one JSON array; '' for a run in no tree (and without tree caps)."""
+    c = s.caps
+    fields = [
+        s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
+        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
+        s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+        list(s.child_ids),
+    ]  # fmt: skip
+    return json.dumps(fields) if any(fields) else ""
+
+
+def _load_tree(state: RunState, raw: str) -> None:
+    t = json.loads(raw)
+    state.parent_run_id, state.root_run_id, state.ancestors, state.children = t[0], t[1], tuple(t[2]), t[3]
+    (
+        state.sub_spent_usd_nanos, state.sub_reserved_usd_nanos, state.sub_tokens,
+        state.sub_reserved_tokens, state.sub_steps, state.sub_tool_calls,
+    ) = t[4:10]  # fmt: skip
+    state.caps = replace(
+        state.caps, max_depth=t[10], max_children=t[11], max_tree_steps=t[12], max_tree_tool_calls=t[13]
+    )
+    state.child_ids = tuple(t[14])
+
+
+def load_runs(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
+    """Several runs (a run's ancestors) in one statement, in the order asked."""
+    if not run_ids:
+        return []
+    rows = db.execute(
+        f"SELECT {COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * len(run_ids))})", tuple(run_ids)
+    ).fetchall()
+    found = {row[0]: row_to_state(row) for row in rows}
+    return [found.get(run_id) for run_id in run_ids]
+
+
+def save_runs(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:
+    db.executemany(UPSERT, [state_to_row(s) for s in states if s is not None])
 
 
 def upgrade(db: sqlite3.Connection) -> None:

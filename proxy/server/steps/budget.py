@@ -83,9 +83,9 @@ class BudgetStep(FlowStep):
         if flow.adapter is None or flow.info is None:
             # A pass-through call reserves nothing, but a cancelled or expired run stays stopped.
             caps = run.caps
-            if not run.generated:
+            if not run.generated or run.parent:
                 flow.state = await self.metrics.timed_ledger_op(
-                    "touch", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
+                    "touch", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time(), run.parent)
                 )
                 caps = flow.state.caps
             self._refuse_unmetered(flow, caps)
@@ -137,8 +137,14 @@ class BudgetStep(FlowStep):
             # Only a request that carries the repeat cap is fingerprinted (a hash of its body):
             # a run without it pays nothing.
             request_fingerprint=request_fingerprint(flow.body) if run.caps.max_repeats is not None else "",
+            parent_run_id=run.parent,
         )
-        if nothing_to_enforce(run.generated, run.caps) and flow.rewrite is None and not flow.inner:
+        if (
+            nothing_to_enforce(run.generated, run.caps)
+            and not run.parent  # a sub-run spends from its ancestors' budgets
+            and flow.rewrite is None
+            and not flow.inner
+        ):
             # Its own one-step run with no cap: nothing to reserve against, nothing to recover
             # after a crash — decided in memory, no ledger transaction (the same decision and run
             # state as a ledger's: the span and the run row do not change). Not so when a context

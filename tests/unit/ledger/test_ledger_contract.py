@@ -36,20 +36,8 @@ from proxy.ledger.base import (
     settle_unledgered,
 )
 from proxy.ledger.redis import RedisLedger
-from proxy.ledger.sqlite import SQLiteLedger
-from tests.support.ledgers import USD, step, tool
+from tests.support.ledgers import USD, die, step, tool
 from tests.support.redis_server import wait_subscribed
-
-
-async def die(ledger: Ledger) -> None:
-    """Simulate kill -9 of the process owning `ledger`: its liveness signal disappears."""
-    if isinstance(ledger, SQLiteLedger):
-        ledger._owner_file.close()  # the flock goes with the process
-    else:
-        assert isinstance(ledger, RedisLedger)
-        assert ledger._heartbeat_task is not None
-        ledger._heartbeat_task.cancel()
-        await ledger._r.delete(ledger._k_owner(ledger.owner))  # as if its TTL ran out
 
 
 async def test_caps_only_lower(make_ledger):  # type: ignore[no-untyped-def]

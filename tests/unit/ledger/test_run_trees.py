@@ -1,0 +1,262 @@
+"""Run trees (issue 22) on both ledger backends: a run names its parent, the parent's caps bound
+its whole subtree in one atomic operation, cancel and deadline reach down the tree, a top-up of
+an ancestor lets its stopped descendants go on, recovery settles the whole chain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from proxy.caps import RunCaps
+from proxy.errors import BudgetExceeded, DeadlineExceeded, InvalidRequest, RunCancelled
+from proxy.ledger.base import ANCESTOR_STOPPED, Ledger, Reservation, RunState, Settlement
+from proxy.ledger.redis.codec import json_state, state_json
+from tests.support.ledgers import USD, die, step, tool
+
+CENT = USD // 100
+# A call of `step(..., input_tokens=BIG, output=BIG)`: $0.01 of input + up to $0.02 of output.
+BIG = 10_000
+
+
+def full(res: Reservation) -> Settlement:
+    """The call used its whole worst case."""
+    return Settlement(
+        input_tokens=res.input_tokens, output_tokens=res.output_tokens, cost_usd_nanos=res.usd_nanos
+    )
+
+
+async def run(led: Ledger, run_id: str) -> RunState:
+    state = await led.get_run(run_id)
+    assert state is not None, run_id
+    return state
+
+
+NO_CAPS = RunCaps()
+
+
+async def call(led: Ledger, run_id: str, caps: RunCaps = NO_CAPS, parent: str = "", **kw) -> RunState:  # type: ignore[no-untyped-def]
+    """One whole call: reserve, settle at the worst case."""
+    res = await led.begin_step(step(run_id, caps, parent_run_id=parent, **kw))
+    return await led.settle(res, full(res), time.time())
+
+
+async def test_a_child_is_linked_to_its_parent_and_root(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "root")
+    child = await call(led, "kid", parent="root")
+    grandchild = await call(led, "grandkid", parent="kid")
+    assert (child.parent_run_id, child.root_run_id, child.ancestors) == ("root", "root", ("root",))
+    assert (grandchild.parent_run_id, grandchild.root) == ("kid", "root")
+    assert grandchild.ancestors == ("kid", "root")
+    root = await run(led, "root")
+    assert root.root == "root" and root.parent_run_id == "" and root.children == 1
+    assert root.child_ids == ("kid",)
+    # The descendants' spend is in the ancestors' subtree totals, exactly.
+    assert root.sub_spent_usd_nanos == child.spent_usd_nanos + grandchild.spent_usd_nanos
+    assert (await run(led, "kid")).sub_spent_usd_nanos == grandchild.spent_usd_nanos
+    assert root.sub_steps == 2 and root.sub_reserved_usd_nanos == 0
+    # A later call without X-Run-Parent is the same child (and counts once).
+    again = await call(led, "kid")
+    assert again.parent_run_id == "root" and (await run(led, "root")).children == 1
+
+
+async def test_a_parent_that_is_unknown_ended_or_a_cycle_is_a_named_400(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+
+    async def refused(run_id: str, parent: str, **kw) -> InvalidRequest:  # type: ignore[no-untyped-def]
+        with pytest.raises(InvalidRequest) as e:
+            await led.begin_step(step(run_id, RunCaps(), parent_run_id=parent, **kw))
+        assert e.value.param == "X-Run-Parent" and e.value.status == 400
+        return e.value
+
+    assert (await refused("orphan", "nobody")).code == "parent_unknown"
+    assert await led.get_run("orphan") is None  # nothing was created
+    await call(led, "p")
+    await call(led, "c", parent="p")
+    await call(led, "other")
+    # The parent is fixed when the child is created.
+    assert (await refused("c", "other")).code == "parent_changed"
+    assert (await refused("other", "c")).code == "parent_changed"  # a root stays a root
+    # p naming its own descendant: a cycle.
+    assert (await refused("p", "c")).code == "parent_cycle"
+    # A cancelled parent, and one past its deadline, start no child.
+    await led.cancel("other", time.time())
+    assert (await refused("c2", "other")).code == "parent_ended"
+    await call(led, "brief", RunCaps(timeout_s=5))
+    assert (await refused("c3", "brief", now=time.time() + 10)).code == "parent_ended"
+    # ... nor does a live parent whose ancestor was cancelled.
+    await led.cancel("p", time.time())
+    error = await refused("c4", "c")
+    assert error.code == "parent_ended" and "'p'" in error.message
+
+
+async def test_depth_and_fan_out_are_caps(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "r", RunCaps(max_depth=2))
+    await call(led, "r.1", parent="r", caps=RunCaps(max_depth=5, max_children=2))  # may not raise r's
+    await call(led, "r.1.1", parent="r.1")
+    with pytest.raises(BudgetExceeded) as e:  # three levels below r: the tightest ancestor wins
+        await call(led, "r.1.1.1", parent="r.1.1")
+    assert (e.value.code, e.value.run, e.value.status) == ("max_depth", "r", 402)
+    await call(led, "r.1.2", parent="r.1")
+    with pytest.raises(BudgetExceeded) as e:
+        await call(led, "r.1.3", parent="r.1")
+    assert (e.value.code, e.value.run) == ("max_children", "r.1")
+    assert await led.get_run("r.1.3") is None and (await run(led, "r.1")).children == 2
+
+
+async def test_an_ancestors_cap_bounds_a_child_and_is_named(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "p", RunCaps(max_usd_nanos=5 * CENT), input_tokens=1000, output=1000)  # $0.003
+    first = await led.begin_step(step("c", RunCaps(), parent_run_id="p", input_tokens=BIG, output=3 * BIG))
+    # Clamped to what the parent has left: $0.047 - $0.01 of input → 18 500 output tokens.
+    assert first.output_limit == 18_500 and first.clamped
+    with pytest.raises(BudgetExceeded) as e:  # the parent's budget is held by the call in flight
+        await led.begin_step(step("c", RunCaps(), input_tokens=BIG, output=BIG))
+    assert (e.value.code, e.value.run) == ("max_usd", "p")
+    assert "run p" in e.value.message and orjson.loads(e.value.body("openai"))["error"]["run"] == "p"
+    assert (await run(led, "c")).status == ANCESTOR_STOPPED
+    assert (await run(led, "p")).status == "budget_exceeded"
+    # The call gets no answer: its reservation goes back to the tree.
+    await led.settle(first, Settlement(no_answer=True), time.time())
+    parent = await run(led, "p")
+    assert parent.sub_reserved_usd_nanos == 0 and parent.sub_reserved_tokens == 0
+
+
+async def test_a_top_up_of_the_parent_lets_its_stopped_child_continue(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "p", RunCaps(max_usd_nanos=3 * CENT), input_tokens=BIG, output=BIG)  # all spent
+    with pytest.raises(BudgetExceeded) as e:
+        await call(led, "c", parent="p", input_tokens=BIG, output=BIG)
+    assert e.value.run == "p"
+    assert (await run(led, "c")).status == ANCESTOR_STOPPED  # not terminal by itself
+    changed = await led.set_caps("p", {"max_usd_nanos": 10 * CENT}, time.time())
+    assert changed is not None and changed[1].status == "active"
+    child = await call(led, "c", input_tokens=BIG, output=BIG)
+    assert child.status == "active" and child.spent_usd_nanos == 3 * CENT
+
+
+async def test_a_child_may_lower_never_raise_what_an_ancestor_allows(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "p", RunCaps(max_tokens=50_000), input_tokens=100, output=100)
+    # The child asks for more than the parent has: the parent's cap binds.
+    res = await led.begin_step(
+        step("c", RunCaps(max_tokens=10**9), parent_run_id="p", input_tokens=BIG, output=10**6)
+    )
+    assert res.input_tokens + res.output_tokens == 50_000 - 200
+    await led.settle(res, Settlement(no_answer=True), time.time())
+    # Its own lower cap binds below the parent's.
+    res = await led.begin_step(
+        step("c2", RunCaps(max_tokens=12_000), parent_run_id="p", input_tokens=BIG, output=10**6)
+    )
+    assert res.output_tokens == 2_000
+
+
+async def test_tree_steps_and_tool_calls(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "p", RunCaps(max_tree_steps=3, max_tree_tool_calls=2))
+    await call(led, "c", parent="p")
+    final = await led.begin_step(step("c", RunCaps()))  # the tree's last step: answer-only
+    assert final.final_step
+    await led.settle(final, Settlement(), time.time())
+    with pytest.raises(BudgetExceeded) as e:
+        await call(led, "c2", parent="p")
+    assert (e.value.code, e.value.run) == ("max_tree_steps", "p")
+    assert (await led.begin_tool_call(tool("c", "k1"))).action == "execute"
+    assert (await led.begin_tool_call(tool("c", None))).action == "execute"
+    with pytest.raises(BudgetExceeded) as e:
+        await led.begin_tool_call(tool("c", "k3"))
+    assert (e.value.code, e.value.run) == ("max_tree_tool_calls", "p")
+    assert (await run(led, "p")).sub_tool_calls == 2
+
+
+async def test_cancel_and_deadline_reach_down_the_tree(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "p", RunCaps(timeout_s=60))
+    await call(led, "c", parent="p")
+    await call(led, "g", parent="c")
+    child = await run(led, "c")
+    assert child.caps.deadline == (await run(led, "p")).caps.deadline  # the earlier of the two
+    # An operator brings the parent's deadline forward: its descendants end with it.
+    await led.set_caps("p", {"deadline": time.time() + 5}, time.time())
+    with pytest.raises(DeadlineExceeded) as d:
+        await call(led, "g", now=time.time() + 10)
+    assert "ancestor p" in d.value.message
+    await led.cancel("c", time.time())
+    for rid in ("g",):
+        with pytest.raises(RunCancelled) as e:
+            await call(led, rid)
+        assert "ancestor c" in e.value.message
+        with pytest.raises(RunCancelled):
+            await led.touch_run(rid, "t", RunCaps(), time.time())
+        with pytest.raises(RunCancelled):
+            await led.begin_tool_call(tool(rid, "k"))
+    assert (await run(led, "g")).status == "cancelled"
+    await call(led, "p")  # the parent of the cancelled run goes on
+
+
+async def test_recovery_of_a_dead_owner_settles_the_whole_chain(make_ledger):  # type: ignore[no-untyped-def]
+    a, b = make_ledger(), make_ledger()
+    await call(b, "p", RunCaps(max_usd_nanos=USD))
+    await call(b, "c", parent="p")
+    res = await a.begin_step(step("g", RunCaps(), parent_run_id="c", input_tokens=BIG, output=BIG))
+    assert (await run(b, "p")).sub_reserved_usd_nanos == res.usd_nanos
+    await die(a)
+    recovered = await b.recover()
+    assert [r.reservation_id for r in recovered] == [res.id]
+    for rid in ("p", "c"):
+        node = await run(b, rid)
+        assert node.sub_reserved_usd_nanos == 0 and node.sub_reserved_tokens == 0, rid
+    parent = await run(b, "p")
+    assert parent.sub_spent_usd_nanos == (await run(b, "c")).spent_usd_nanos + res.usd_nanos
+    # The late settlement of the owner taken for dead replaces the estimate, in the whole chain.
+    await a.settle(res, Settlement(cost_usd_nanos=7), time.time())
+    parent = await run(b, "p")
+    assert parent.sub_spent_usd_nanos == (await run(b, "c")).spent_usd_nanos + 7
+
+
+async def _load(led: Ledger, run_id: str, parent: str, caps: RunCaps) -> None:
+    """One client of a run: whole calls until the budget refuses one."""
+    while True:
+        try:
+            res = await led.begin_step(step(run_id, caps, parent_run_id=parent, input_tokens=BIG, output=BIG))
+        except BudgetExceeded:
+            return
+        await asyncio.sleep(0)  # the other clients' calls interleave with this one in flight
+        await led.settle(res, full(res), time.time())
+
+
+@pytest.mark.parametrize("child_usd", [None, 20 * CENT])
+async def test_six_children_eight_clients_each_never_overshoot_the_parent(make_ledger, child_usd):  # type: ignore[no-untyped-def]
+    leds = [make_ledger(), make_ledger()]  # two instances sharing one store, as two replicas
+    cap = 50 * CENT
+    await call(leds[0], "p", RunCaps(max_usd_nanos=cap), input_tokens=10, output=10)
+    child_caps = RunCaps(max_usd_nanos=child_usd)
+    clients = [
+        _load(leds[(i + j) % 2], f"c{i}", "p", child_caps) for i in range(6) for j in range(8)
+    ]
+    await asyncio.gather(*clients)
+    parent = await run(leds[0], "p")
+    children = [await run(leds[0], f"c{i}") for i in range(6)]
+    assert parent.children == 6
+    tree = parent.spent_usd_nanos + parent.sub_spent_usd_nanos
+    assert tree <= cap and tree >= cap * 95 // 100, tree
+    # The books close: the parent's subtree totals are its children's, nothing is left reserved.
+    assert parent.sub_spent_usd_nanos == sum(c.spent_usd_nanos for c in children)
+    assert parent.sub_reserved_usd_nanos == 0 and all(c.reserved_usd_nanos == 0 for c in children)
+    if child_usd is not None:
+        assert all(c.spent_usd_nanos <= child_usd for c in children)
+
+
+def test_a_run_stored_before_run_trees_reads_as_a_root() -> None:
+    root = RunState("old", caps=RunCaps(max_usd_nanos=5))
+    data = orjson.loads(state_json(root))
+    assert len(data) == 23  # a root without tree caps is written as before trees existed
+    decoded = json_state(orjson.dumps(data))
+    assert (decoded.parent_run_id, decoded.root, decoded.ancestors, decoded.children) == ("", "old", (), 0)
+    child = RunState("c", parent_run_id="p", root_run_id="p", ancestors=("p",), sub_steps=3)
+    again = json_state(state_json(child))
+    assert (again.parent_run_id, again.root_run_id, again.ancestors, again.sub_steps) == ("p", "p", ("p",), 3)
