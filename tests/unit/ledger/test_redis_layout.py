@@ -8,6 +8,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -176,6 +177,10 @@ async def test_every_script_touches_one_slot(ledgers) -> None:  # type: ignore[n
     res = await a.begin_step(step("child", RunCaps(max_usd_nanos=USD)))
     assert (await b.get_run("child")).steps == 1
     await b.begin_tool_call(tool("child", "k2"))
+    # A child made by the ledger (X-Run-Parent): it and its parent written by one script.
+    kid = await a.begin_step(replace(step("kid", RunCaps(max_usd_nanos=USD)), parent_run_id="root"))  # chain
+    await a.settle(kid, Settlement(cost_usd_nanos=1), time.time())
+    assert (await b.get_run("kid")).root == "root" and (await b.get_run("root")).sub_spent_usd_nanos == 1
     # Swept while alive (taken for dead), then taken back, then settled out of `swept:`.
     res2 = await a.begin_step(step("root", RunCaps(max_usd_nanos=USD)))
     await a._r.delete(a._k_owner(a.owner))
