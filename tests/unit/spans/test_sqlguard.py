@@ -1,0 +1,121 @@
+"""The `/admin/sql` guard on its own (proxy/spans/sqlguard.py `check_read_query`), against the
+embedded engine's own parser (chdb: its canonical form and `EXPLAIN AST`, as the store runs it):
+every attack of tests/support/sql_attacks.py is refused naming what it tried, every on-call query,
+dashboard query and ordinary read passes, and no function that reaches outside runcap's tables is
+on the allow-list. The system test (tests/system/test_admin_sql_guard.py) proves the same end to
+end on both engines — the route, the CLI's path, canaries and a URL probe; this is the fast
+selection of the mutation target `sqlguard` (docs/mutation.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from proxy.queryfiles import bind, list_queries
+from proxy.spans.clickhouse import ClickHouseSink, open_span_store
+from proxy.spans.sqlguard import QueryRefused, check_read_query, function_allowed
+from tests.conftest import REPO
+from tests.support.grafana import Expander, TimeRange, Variable
+from tests.support.sql_attacks import ATTACKS, FORBIDDEN, Attack
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseSink]:
+    sink = open_span_store(None, tmp_path_factory.mktemp("sqlguard"))
+    yield sink
+    sink.close()
+
+
+def check(store: ClickHouseSink, sql: str, params: dict[str, Any] | None = None) -> Any:
+    return check_read_query(sql, store._read_column, params=params, database="runcap")
+
+
+def fill(sql: str) -> str:
+    return (
+        sql.replace("@CANARY@", "/tmp/canary")
+        .replace("@PROBE@", "http://127.0.0.1:9/x")
+        .replace("@OUT@", "/tmp/out")
+    )
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=[a.id for a in ATTACKS])
+def test_attack_is_refused_by_the_guard(store: ClickHouseSink, attack: Attack) -> None:
+    if attack.by_guard:
+        with pytest.raises(QueryRefused) as info:
+            check(store, fill(attack.sql), attack.params)
+        assert attack.refused in str(info.value)
+        assert info.value.code in (164, 497), info.value.code  # READONLY, ACCESS_DENIED
+    else:  # ClickHouse's own parser refuses it before the guard decides anything
+        with pytest.raises(Exception) as info:
+            check(store, fill(attack.sql), attack.params)
+        assert not isinstance(info.value, QueryRefused)
+
+
+READS = [
+    "SELECT count() FROM runcap.spans",
+    "SELECT count() FROM spans",
+    "WITH t AS (SELECT run_id FROM runcap.runs) SELECT count() FROM t",
+    "SELECT run_id, sum(cost_usd) FROM runcap.spans GROUP BY run_id ORDER BY 2 DESC LIMIT 5",
+    "SELECT attributes['i'] AS i, toJSONString(map('k', 1)) AS j FROM spans LIMIT 1 BY i",
+    'SELECT 1 AS "one run"',
+    "SELECT settings FROM (SELECT 1 AS settings)",
+    "DESCRIBE TABLE runcap.spans",
+    "DESCRIBE TABLE (SELECT count() AS n FROM runcap.spans)",
+    "SELECT * FROM runcap.spans AS s INNER JOIN runcap.runs AS r ON s.run_id = r.run_id LIMIT 1",
+    "SELECT quantile(0.99)(duration_ms) FROM runcap.spans WHERE started_at > now() - INTERVAL 1 DAY",
+]
+
+
+@pytest.mark.parametrize("sql", READS)
+def test_reads_pass_as_their_canonical_form(store: ClickHouseSink, sql: str) -> None:
+    checked = check(store, sql)
+    assert checked.sql and checked.params == {}
+    assert check(store, checked.sql).sql == checked.sql  # the canonical form is a fixed point
+
+
+def test_parameters_pass_only_where_the_query_takes_them(store: ClickHouseSink) -> None:
+    checked = check(
+        store, "SELECT count() FROM runcap.spans WHERE run_id = {run:String}", {"run": "a", "x": 1}
+    )
+    assert checked.params == {"run": "a"}
+    with pytest.raises(QueryRefused, match="Identifier"):
+        check(store, "SELECT count() FROM {t:Identifier}", {"t": "spans"})
+
+
+def test_every_query_file_passes(store: ClickHouseSink) -> None:
+    queries = list_queries()
+    assert queries
+    for q in queries:
+        given = {"since": "2000-01-01"} if q.param("since") else {}
+        check(store, q.sql, bind(q, given, store))
+
+
+def test_every_dashboard_query_passes(store: ClickHouseSink) -> None:
+    end = datetime.now(UTC)
+    time_range = TimeRange(end - timedelta(hours=6), end)
+    count = 0
+    for path in sorted((REPO / "dashboards").glob("*.json")):
+        board = json.loads(path.read_text())
+        names = [v["name"] for v in board["templating"]["list"]]
+        sqls = [v["query"]["rawSql"] for v in board["templating"]["list"]]
+        sqls += [t["rawSql"] for p in board["panels"] for t in p["targets"]]
+        variables = {n: Variable(n, ["it's", "b"], ["it's", "b"]) for n in names}
+        for raw in sqls:
+            check(store, Expander(time_range, variables).expand(raw))
+            count += 1
+    assert count > 20
+
+
+@pytest.mark.parametrize("name", FORBIDDEN)
+def test_no_function_that_reaches_out_is_allowed(name: str) -> None:
+    assert not function_allowed(name)
+    assert not function_allowed(name.lower()) and not function_allowed(name.upper())
+
+
+def test_pure_functions_are_allowed() -> None:
+    for name in ("count", "sum", "toDate", "JSONExtractString", "quantile", "if", "concat", "lower"):
+        assert function_allowed(name), name
