@@ -121,9 +121,11 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
             await settle(led, res)
 
     task = asyncio.create_task(failover())
-    await asyncio.wait_for(asyncio.gather(*(worker(leds[i % 2]) for i in range(WORKERS))), 120)
+    # Liveness bounds only (a failover's detection and the restarted node's sync take longer on
+    # a loaded machine): what the test judges is the books, below.
+    await asyncio.wait_for(asyncio.gather(*(worker(leds[i % 2]) for i in range(WORKERS))), 300)
     killed.set()
-    await asyncio.wait_for(task, 60)
+    await asyncio.wait_for(task, 120)
     for led in leds:  # reservations whose answer was lost: released (a no-answer settlement)
         for item in led.drain_in_doubt():
             if isinstance(item, Reservation):

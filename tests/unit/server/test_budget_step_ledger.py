@@ -42,9 +42,9 @@ class RecordingLedger(SQLiteLedger):
         self.steps.append(req)
         return await super().begin_step(req)
 
-    async def touch_run(self, run_id: str, task: str, caps: Any, now: float) -> Any:
+    async def touch_run(self, run_id: str, task: str, caps: Any, now: float, parent: str = "") -> Any:
         self.touched.append(run_id)
-        return await super().touch_run(run_id, task, caps, now)
+        return await super().touch_run(run_id, task, caps, now, parent)
 
 
 @pytest.fixture
