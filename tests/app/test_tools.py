@@ -258,7 +258,6 @@ async def _cancel_scenario(rc_call, rc_cancel, tool, upstream, run: str) -> None
         call(f"{rc_call.url}/tools/refund", run, {"order_id": run, "amount": 1, "sleep_s": 30})
     )
     await wait_for(lambda: tool.executions == 1)
-    await asyncio.sleep(0.1)
     admin = rc_cancel.admin
     async with aiohttp.ClientSession() as s, s.post(f"{rc_cancel.url}/runs/{run}/cancel", headers=admin) as r:
         assert r.status == 200 and (await r.json())["status"] == "cancelled"
