@@ -1,5 +1,5 @@
 """The `/admin/sql` guard on its own (proxy/spans/sqlguard.py `check_read_query`), against the
-embedded engine's own parser (chdb: its canonical form and `EXPLAIN AST`, as the store runs it):
+engine's own parser (its canonical form and `EXPLAIN AST`, as the store runs them, over HTTP):
 every attack of tests/support/sql_attacks.py is refused naming what it tried, every on-call query,
 dashboard query and ordinary read passes, and no function that reaches outside runcap's tables is
 on the allow-list. The system test (tests/system/test_admin_sql_guard.py) proves the same end to
@@ -19,15 +19,21 @@ from proxy.queryfiles import bind, list_queries
 from proxy.spans.clickhouse import ClickHouseSink, open_span_store
 from proxy.spans.sqlguard import QueryRefused, check_read_query, function_allowed
 from tests.conftest import REPO
+from tests.support.clickhouse import ClickHouseProcess
 from tests.support.grafana import Expander, TimeRange, Variable
 from tests.support.sql_attacks import ATTACKS, FORBIDDEN, Attack
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseSink]:
-    sink = open_span_store(None, tmp_path_factory.mktemp("sqlguard"))
+    # The engine behind ClickHouse's HTTP interface, in a process of its own: chdb in this process
+    # would not survive the fork of each mutant's run (scripts/mutation.py), and hung there.
+    server = ClickHouseProcess(tmp_path_factory.mktemp("sqlguard-server"))
+    server.start()
+    sink = open_span_store(server.url, tmp_path_factory.mktemp("sqlguard"))
     yield sink
     sink.close()
+    server.stop()
 
 
 def check(store: ClickHouseSink, sql: str, params: dict[str, Any] | None = None) -> Any:
