@@ -125,3 +125,54 @@ def test_no_function_that_reaches_out_is_allowed(name: str) -> None:
 def test_pure_functions_are_allowed() -> None:
     for name in ("count", "sum", "toDate", "JSONExtractString", "quantile", "if", "concat", "lower"):
         assert function_allowed(name), name
+
+
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [
+        ("sum", True), ("SUM", True), ("Sum", True),  # case-insensitive in ClickHouse: any case
+        ("uniqExact", True), ("UNIQEXACT", False),  # case-sensitive: only as written
+        ("sumIf", True), ("countState", True), ("quantilesMerge", True), ("uniqExactIfState", True),
+        ("sumIfOrNull", True), ("OrNull", False), ("State", False),  # a combinator alone is no function
+        ("fileIf", False), ("dictGetIf", False), ("uniqExactIF", False),
+        ("avgIf", True), ("AVGIf", True),  # a case-insensitive aggregate under a combinator
+    ],
+)  # fmt: skip
+def test_aggregates_and_their_combinators(name: str, allowed: bool) -> None:
+    assert function_allowed(name) is allowed
+
+
+@pytest.mark.parametrize(
+    ("sql", "refused"),
+    [
+        ("SELECT arrayReduce('sum', [1, 2])", None),
+        ("SELECT arrayReduce('sumIf', [1, 2], [1, 0])", None),
+        ("SELECT initializeAggregation('uniqState', 1)", None),
+        ("SELECT arrayReduce('file', ['/etc/passwd'])", "arrayReduce('file', ...)"),
+        ("SELECT arrayReduce(concat('s', 'um'), [1])", "arrayReduce(concat"),
+        ("SELECT arrayReduce()", "arrayReduce(nothing, ...)"),
+        ("SELECT 1 IN spans", None),
+        ("SELECT 1 IN system.tables", "the table system.tables"),
+        ("SELECT 1 IN format(JSONEachRow, '{\"a\": 1}')", "the table function format() on the right of IN"),
+        ("SELECT format('{} {}', 'a', 'b')", None),  # the scalar format() is a pure function
+        ("SELECT * FROM format(JSONEachRow, '{\"a\": 1}')", "the table function format()"),
+        ("SELECT system.one.dummy", "the name system.one.dummy"),
+        ("SELECT runcap.spans.run_id FROM runcap.spans LIMIT 1", None),
+        ("SELECT count() FROM runcap.spans SETTINGS max_threads = 1", "a SETTINGS clause"),
+        ("SELECT * APPLY(toString) FROM runcap.spans LIMIT 1", "the APPLY column transformer"),
+    ],
+)
+def test_the_walk_refuses_what_reads_elsewhere(store: ClickHouseSink, sql: str, refused: str | None) -> None:
+    if refused is None:
+        assert check(store, sql).sql
+        return
+    with pytest.raises(QueryRefused) as info:
+        check(store, sql)
+    assert refused in str(info.value), str(info.value)
+    assert info.value.what == str(info.value) or refused in info.value.what
+
+
+def test_a_parameter_left_without_a_value_is_refused(store: ClickHouseSink) -> None:
+    with pytest.raises(Exception) as info:
+        check(store, "SELECT {x:UInt8}")
+    assert "x" in str(info.value)
