@@ -180,6 +180,23 @@ EQUIVALENT: dict[str, str] = {
     "proxy.server.steps.budget.xǁBudgetStepǁsettlement__mutmut_64": (
         "replace() without tool_uses= keeps the same mapping: usages replace it, never change it in place"
     ),
+    # the SQL guard
+    "proxy.spans.sqlguard.x__aggregate_allowed__mutmut_9": (
+        "len(name) >= len(suffix): a name equal to a combinator leaves '', which is no aggregate"
+    ),
+    **{
+        f"proxy.spans.sqlguard.xǁ_Walkǁnode__mutmut_{n}": (
+            "the Set node: the SETTINGS check on the canonical text refuses every SETTINGS clause "
+            "before the walk; its branch is a second line no query reaches"
+        )
+        for n in (4, 5, 6, 7)
+    },
+    **{
+        f"proxy.spans.sqlguard.xǁ_Walkǁfunction__mutmut_{n}": (
+            "every Function node of EXPLAIN AST has its arguments (an ExpressionList) as first child"
+        )
+        for n in (17, 19)
+    },
     # the URL builder
     "proxy.upstream_url.x__check_segment__mutmut_19": 'codec "UTF-8" is "utf-8"',
     "proxy.upstream_url.x_decode_segment__mutmut_9": 'codec "UTF-8" is "utf-8"',

@@ -136,6 +136,7 @@ def test_pure_functions_are_allowed() -> None:
         ("sumIfOrNull", True), ("OrNull", False), ("State", False),  # a combinator alone is no function
         ("fileIf", False), ("dictGetIf", False), ("uniqExactIF", False),
         ("avgIf", True), ("AVGIf", True),  # a case-insensitive aggregate under a combinator
+        ("ABS", True), ("Concat", True), ("coalesce", True),  # case-insensitive scalars, any case
     ],
 )  # fmt: skip
 def test_aggregates_and_their_combinators(name: str, allowed: bool) -> None:
@@ -146,6 +147,7 @@ def test_aggregates_and_their_combinators(name: str, allowed: bool) -> None:
     ("sql", "refused"),
     [
         ("SELECT arrayReduce('sum', [1, 2])", None),
+        ("SELECT arrayReduce('sum', range(3))", None),  # the aggregate's name is the first argument
         ("SELECT arrayReduce('sumIf', [1, 2], [1, 0])", None),
         ("SELECT initializeAggregation('uniqState', 1)", None),
         ("SELECT arrayReduce('file', ['/etc/passwd'])", "arrayReduce('file', ...)"),
@@ -155,7 +157,15 @@ def test_aggregates_and_their_combinators(name: str, allowed: bool) -> None:
         ("SELECT 1 IN system.tables", "the table system.tables"),
         ("SELECT 1 IN format(JSONEachRow, '{\"a\": 1}')", "the table function format() on the right of IN"),
         ("SELECT format('{} {}', 'a', 'b')", None),  # the scalar format() is a pure function
-        ("SELECT * FROM format(JSONEachRow, '{\"a\": 1}')", "the table function format()"),
+        (
+            "SELECT * FROM format(JSONEachRow, '{\"a\": 1}')",
+            "the table function format(): /admin/sql reads the tables of the runcap database only",
+        ),
+        (
+            "SELECT hostName()",
+            "the function hostName(): it is not on the allow-list of functions /admin/sql may call "
+            "(nothing that reads files, URLs, other servers, dictionaries or the server's state)",
+        ),
         ("SELECT system.one.dummy", "the name system.one.dummy"),
         ("SELECT runcap.spans.run_id FROM runcap.spans LIMIT 1", None),
         ("SELECT count() FROM runcap.spans SETTINGS max_threads = 1", "a SETTINGS clause"),
