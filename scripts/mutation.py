@@ -81,8 +81,9 @@ TARGETS: dict[str, Target] = {
         (
             "tests/unit/ledger/test_ledger_rules.py",
             "tests/unit/ledger/test_ledger_contract.py",
+            "tests/unit/ledger/test_run_trees.py",
             "-k",
-            "sqlite or test_ledger_rules",
+            "sqlite or test_ledger_rules or test_run_trees and not redis",
         ),
         functions=(
             "x_apply_*",
@@ -98,8 +99,19 @@ TARGETS: dict[str, Target] = {
             "x_same_operation*",
             "x__key_reused*",
             "x_decide_tool_call*",
+            # run trees (issue 22): a chain's one ceiling, its creation and liveness
+            "x_open_run*",
+            "x__ended*",
+            "x_check_tree_live*",
+            "x_totals*",
+            "x_propagate*",
+            "x__tightest*",
+            "x__tree_view*",
+            "x__decide_tree_step*",
+            "x__tree_rejection*",
+            "x__check_tree_tool_call*",
         ),
-        what="caps, reservations, settlement, recovery, idempotency decisions (Redis runs them too)",
+        what="caps, reservations, settlement, recovery, idempotency, run trees (Redis runs them too)",
     ),
     "context": Target(
         "proxy/server/steps/context.py",
