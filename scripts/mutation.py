@@ -204,6 +204,13 @@ EQUIVALENT: dict[str, str] = {
         for n in (4, 5, 6, 7)
     },
     **{
+        f"proxy.spans.sqlguard.xǁ_Walkǁnode__mutmut_{n}": (
+            "the QueryParameter node: the engine refuses a placeholder without a value before "
+            "the walk (UNKNOWN_QUERY_PARAMETER); its branch is a second line no query reaches"
+        )
+        for n in (17, 18, 19, 20)
+    },
+    **{
         f"proxy.spans.sqlguard.xǁ_Walkǁfunction__mutmut_{n}": (
             "every Function node of EXPLAIN AST has its arguments (an ExpressionList) as first child"
         )

@@ -169,7 +169,15 @@ def test_aggregates_and_their_combinators(name: str, allowed: bool) -> None:
         ("SELECT system.one.dummy", "the name system.one.dummy"),
         ("SELECT runcap.spans.run_id FROM runcap.spans LIMIT 1", None),
         ("SELECT count() FROM runcap.spans SETTINGS max_threads = 1", "a SETTINGS clause"),
-        ("SELECT * APPLY(toString) FROM runcap.spans LIMIT 1", "the APPLY column transformer"),
+        (
+            "SELECT * APPLY(toString) FROM runcap.spans LIMIT 1",
+            "the APPLY column transformer: call the function on the columns by name",
+        ),
+        ("SELECT system.one.*", "the table system.one"),  # a qualified asterisk reads its table
+        ("SELECT system.one.COLUMNS(dummy)", "the table system.one"),
+        ("SELECT system.one.COLUMNS('du.*')", "the table system.one"),
+        ("SELECT s.* FROM runcap.spans AS s LIMIT 1", None),
+        ("SELECT * FROM (EXPLAIN SELECT 1)", "the table function viewExplain()"),  # EXPLAIN as a table
     ],
 )
 def test_the_walk_refuses_what_reads_elsewhere(store: ClickHouseSink, sql: str, refused: str | None) -> None:
