@@ -82,8 +82,9 @@ TARGETS: dict[str, Target] = {
             "tests/unit/ledger/test_ledger_rules.py",
             "tests/unit/ledger/test_ledger_contract.py",
             "tests/unit/ledger/test_run_trees.py",
+            "tests/unit/ledger/test_repeats.py",
             "-k",
-            "sqlite or test_ledger_rules or test_run_trees and not redis",
+            "sqlite or test_ledger_rules or (test_run_trees or test_repeats) and not redis",
         ),
         functions=(
             "x_apply_*",
