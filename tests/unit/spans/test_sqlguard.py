@@ -17,7 +17,7 @@ import pytest
 
 from proxy.queryfiles import bind, list_queries
 from proxy.spans.clickhouse import ClickHouseSink, open_span_store
-from proxy.spans.sqlguard import QueryRefused, check_read_query, function_allowed
+from proxy.spans.sqlguard import QueryRefused, _parse_tree, check_read_query, function_allowed
 from tests.conftest import REPO
 from tests.support.clickhouse import ClickHouseProcess
 from tests.support.grafana import Expander, TimeRange, Variable
@@ -194,3 +194,62 @@ def test_a_parameter_left_without_a_value_is_refused(store: ClickHouseSink) -> N
     with pytest.raises(Exception) as info:
         check(store, "SELECT {x:UInt8}")
     assert "x" in str(info.value)
+
+
+# -- reading EXPLAIN AST's text, and the roots the walk accepts ----------------------------------
+
+TREE = [
+    "SelectWithUnionQuery (children 1)",
+    " ExpressionList (children 1)",
+    "  SelectQuery (children 1)",
+    "   ExpressionList (children 2)",
+    "    Literal 'a (alias b)'",
+    "    Identifier run_id (alias r)",
+]
+
+
+def test_the_parse_tree_is_read_with_names_aliases_and_children() -> None:
+    root = _parse_tree([*TREE, "", "  "])  # trailing blank lines are not nodes
+    select = root.children[0].children[0]
+    literal, ident = select.children[0].children
+    assert (root.kind, root.declared, select.kind) == ("SelectWithUnionQuery", 1, "SelectQuery")
+    assert (literal.kind, literal.name, literal.alias) == ("Literal", "'a (alias b)'", "")  # a literal's text
+    assert (ident.kind, ident.name, ident.alias) == ("Identifier", "run_id", "r")
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [*TREE[:3], "     ExpressionList"],  # indented past its parent
+        [*TREE, "SelectWithUnionQuery"],  # a second root
+        [*TREE[:-1]],  # fewer children than declared
+        [*TREE, "    Identifier x"],  # more children than declared
+        [*TREE[:-1], "    Identifier(run_id)"],  # text glued to the kind
+        [*TREE[:-1], "    ?"],  # not a node
+        ["", " "],  # nothing
+    ],
+)
+def test_a_tree_runcap_cannot_read_is_refused(lines: list[str]) -> None:
+    with pytest.raises(
+        QueryRefused, match=r"a query (whose parse tree runcap cannot read|ClickHouse returned no)"
+    ):
+        _parse_tree(lines)
+
+
+@pytest.mark.parametrize(
+    ("sql", "refused"),
+    [
+        ("SELECT 1 INTO OUTFILE '/tmp/x'", "INTO OUTFILE: /admin/sql does not write files"),
+        ("SELECT 1 FORMAT JSON", "FORMAT JSON: /admin/sql chooses the format of its answer"),
+        ("SHOW TABLES", "the statement SHOW"),
+        ("DESCRIBE TABLE runcap.spans", None),
+        ("SELECT 1 UNION ALL SELECT 2", None),
+    ],
+)
+def test_the_roots_the_walk_accepts(store: ClickHouseSink, sql: str, refused: str | None) -> None:
+    if refused is None:
+        assert check(store, sql).sql
+        return
+    with pytest.raises(QueryRefused) as info:
+        check(store, sql)
+    assert refused in str(info.value)
