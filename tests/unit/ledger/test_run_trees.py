@@ -235,9 +235,7 @@ async def test_six_children_eight_clients_each_never_overshoot_the_parent(make_l
     cap = 50 * CENT
     await call(leds[0], "p", RunCaps(max_usd_nanos=cap), input_tokens=10, output=10)
     child_caps = RunCaps(max_usd_nanos=child_usd)
-    clients = [
-        _load(leds[(i + j) % 2], f"c{i}", "p", child_caps) for i in range(6) for j in range(8)
-    ]
+    clients = [_load(leds[(i + j) % 2], f"c{i}", "p", child_caps) for i in range(6) for j in range(8)]
     await asyncio.gather(*clients)
     parent = await run(leds[0], "p")
     children = [await run(leds[0], f"c{i}") for i in range(6)]
@@ -260,3 +258,78 @@ def test_a_run_stored_before_run_trees_reads_as_a_root() -> None:
     child = RunState("c", parent_run_id="p", root_run_id="p", ancestors=("p",), sub_steps=3)
     again = json_state(state_json(child))
     assert (again.parent_run_id, again.root_run_id, again.ancestors, again.sub_steps) == ("p", "p", ("p",), 3)
+
+
+# -- the refusal of a tree's cap, word for word (base._tree_rejection) -----------------------------
+
+
+def _tree_refusal(code: str | None, node: RunState, state: RunState) -> BudgetExceeded:
+    from proxy.ledger.base import _tree_rejection
+
+    return _tree_rejection(state, node, BudgetExceeded(code, "the run's own words"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("code", "caps", "totals", "told", "what"),
+    [
+        (
+            "max_usd", RunCaps(max_usd_nanos=2_000_000_000),
+            {"spent_usd_nanos": 100_000_000, "sub_spent_usd_nanos": 1_200_000_000,
+             "reserved_usd_nanos": 50_000_000, "sub_reserved_usd_nanos": 250_000_000},
+            "max_usd",
+            "$0.400000000 left of its $2.000000000 cap (spent $1.300000000, $0.300000000 reserved "
+            "by calls in flight)",
+        ),
+        (None, RunCaps(max_usd_nanos=10), {"sub_spent_usd_nanos": 30}, "max_usd",
+         "$0.000000000 left of its $0.000000010 cap (spent $0.000000030, $0.000000000 reserved "
+         "by calls in flight)"),
+        (
+            "max_tokens", RunCaps(max_tokens=1000),
+            {"input_tokens": 100, "output_tokens": 50, "reserved_tokens": 25, "sub_tokens": 300,
+             "sub_reserved_tokens": 25},
+            "max_tokens", "500 of its 1000 tokens left",
+        ),
+        ("max_tokens", RunCaps(max_tokens=10), {"sub_tokens": 30}, "max_tokens", "0 of its 10 tokens left"),
+        ("max_steps", RunCaps(max_tree_steps=5), {"steps": 2, "sub_steps": 3}, "max_tree_steps",
+         "used 5 of its 5 model calls"),
+        ("max_tool_calls", RunCaps(max_tree_tool_calls=4), {"tool_calls_requested": 1,
+         "sub_tool_calls": 3}, "max_tree_tool_calls", "used 4 of its 4 tool calls"),
+    ],
+)  # fmt: skip
+def test_an_ancestors_refusal_names_it_what_is_left_and_the_way_out(
+    code: str | None, caps: RunCaps, totals: dict[str, int], told: str, what: str
+) -> None:
+    header = {
+        "max_usd": "X-Run-Max-Usd",
+        "max_tokens": "X-Run-Max-Tokens",
+        "max_tree_steps": "X-Run-Max-Tree-Steps",
+        "max_tree_tool_calls": "X-Run-Max-Tree-Tool-Calls",
+    }
+    parent = RunState("plan", caps=caps, **totals)  # type: ignore[arg-type]
+    child = RunState("kid", parent_run_id="plan", root_run_id="plan", ancestors=("plan",))
+    rej = _tree_refusal(code, parent, child)
+    assert rej.code == told and rej.run == "plan"
+    assert rej.message == (
+        f"{header[told]}: run kid is bounded by its ancestor plan's cap, which covers that run's whole "
+        f"subtree: plan has {what}, and this call needs more than that. An operator can top up run plan "
+        "(runcap caps plan ...) to let its sub-runs continue; otherwise end the run."
+    )
+    expected = BudgetExceeded(code, "x").run_status or "budget_exceeded"  # type: ignore[arg-type]
+    assert parent.status == expected and child.status == ANCESTOR_STOPPED
+    # Its own cap: named as its own, and only it is stopped.
+    own = RunState("solo", caps=caps, **totals)  # type: ignore[arg-type]
+    rej = _tree_refusal(code, own, own)
+    assert "run solo is bounded by its own cap" in rej.message and own.status == expected
+
+
+def test_a_tree_refusal_keeps_the_status_its_cap_gives() -> None:
+    parent = RunState("plan", caps=RunCaps(max_tree_steps=1), steps=1)
+    child = RunState("kid", parent_run_id="plan", root_run_id="plan", ancestors=("plan",))
+
+    class StepsExceeded(BudgetExceeded):
+        run_status = "steps_exceeded"
+
+    from proxy.ledger.base import _tree_rejection
+
+    _tree_rejection(child, parent, StepsExceeded("max_steps", "x"))
+    assert parent.status == "steps_exceeded" and child.status == ANCESTOR_STOPPED
