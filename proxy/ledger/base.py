@@ -42,6 +42,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
+from typing import Any
 
 from proxy.caps import RunCaps
 from proxy.errors import (
@@ -723,6 +724,33 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
 # top-up of that ancestor (which is `budget_exceeded`) lets it continue.
 
 ANCESTOR_STOPPED = "ancestor_budget_exceeded"
+
+
+def tree_values(s: RunState) -> list[object]:
+    """A run's tree fields (issue 22) as the list both backends store (Redis appended to a run's
+    JSON, SQLite in its `tree` column); [] for a run in no tree and without tree caps, which is
+    then stored as before run trees."""
+    c = s.caps
+    values = [
+        s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
+        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
+        s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+        list(s.child_ids),
+    ]  # fmt: skip
+    return values if any(values) else []
+
+
+def load_tree_values(state: RunState, t: Sequence[Any]) -> None:
+    """`tree_values`' list back into `state`."""
+    state.parent_run_id, state.root_run_id, state.ancestors, state.children = t[0], t[1], tuple(t[2]), t[3]
+    (
+        state.sub_spent_usd_nanos, state.sub_reserved_usd_nanos, state.sub_tokens,
+        state.sub_reserved_tokens, state.sub_steps, state.sub_tool_calls,
+    ) = t[4:10]  # fmt: skip
+    state.caps = replace(
+        state.caps, max_depth=t[10], max_children=t[11], max_tree_steps=t[12], max_tree_tool_calls=t[13]
+    )
+    state.child_ids = tuple(t[14])
 # A parent's state lists at most this many children's ids (it is written by every call of its
 # subtree, so it must stay small); `children` counts them all.
 CHILD_IDS_KEPT = 256

@@ -10,7 +10,7 @@ from __future__ import annotations
 import orjson
 
 from proxy.caps import RunCaps
-from proxy.ledger.base import IdempotencyRecord, RunState
+from proxy.ledger.base import IdempotencyRecord, RunState, load_tree_values, tree_values
 from proxy.ledger.repeats import Repeats
 
 
@@ -23,33 +23,16 @@ def state_json(s: RunState) -> bytes:
             s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
             s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, s.cancelled,
             s.operator_caps, s.context_baseline, s.upstream_failures, c.max_repeats, s.repeats.to_json(),
-            *_tree(s),
+            *tree_values(s),
         ]
     )  # fmt: skip
-
-
-def _tree(s: RunState) -> list[object]:
-    """A run tree's fields (issue 22), appended to a run's JSON only when one is set: a root
-    without tree caps is written as before."""
-    c = s.caps
-    fields = [
-        s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
-        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
-        s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
-        list(s.child_ids),
-    ]  # fmt: skip
-    return fields if any(f for f in fields) else []
 
 
 def json_state(raw: bytes | str) -> RunState:
     r = orjson.loads(raw)
     state = RunState(
         run_id=r[0], task=r[1], status=r[2], started_at=r[3], updated_at=r[4],
-        caps=RunCaps(r[5], r[6], r[7], r[8], r[9], max_repeats=r[23] if len(r) > 23 else None)
-        if len(r) <= 25 else RunCaps(
-            r[5], r[6], r[7], r[8], r[9], max_repeats=r[23],
-            max_depth=r[35], max_children=r[36], max_tree_steps=r[37], max_tree_tool_calls=r[38],
-        ),
+        caps=RunCaps(r[5], r[6], r[7], r[8], r[9], max_repeats=r[23] if len(r) > 23 else None),
         spent_usd_nanos=r[10], input_tokens=r[11], output_tokens=r[12], steps=r[13],
         tool_calls_requested=r[14], tool_calls_executed=r[15], reserved_usd_nanos=r[16],
         reserved_tokens=r[17], final_reason=r[18], cancelled=r[19],
@@ -59,13 +42,7 @@ def json_state(raw: bytes | str) -> RunState:
         repeats=Repeats.from_json(r[24] if len(r) > 24 else ""),  # written before X-Run-Max-Repeats
     )  # fmt: skip
     if len(r) > 25:  # a run of a tree (a run written before trees existed reads as a root)
-        state.parent_run_id, state.root_run_id, state.children = r[25], r[26], r[28]
-        state.ancestors = tuple(r[27])
-        (
-            state.sub_spent_usd_nanos, state.sub_reserved_usd_nanos, state.sub_tokens,
-            state.sub_reserved_tokens, state.sub_steps, state.sub_tool_calls,
-        ) = r[29:35]  # fmt: skip
-        state.child_ids = tuple(r[39])
+        load_tree_values(state, r[25:])
     return state
 
 

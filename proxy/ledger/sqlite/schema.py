@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from proxy.caps import RunCaps
-from proxy.ledger.base import IdempotencyRecord, RunState
+from proxy.ledger.base import IdempotencyRecord, RunState, load_tree_values, tree_values
 from proxy.ledger.repeats import Repeats
 
 SCHEMA = """
@@ -179,27 +178,12 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
 
 def _tree_json(s: RunState) -> str:
     """A run tree's fields as one JSON array; '' for a run in no tree (and without tree caps)."""
-    c = s.caps
-    fields = [
-        s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
-        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
-        s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
-        list(s.child_ids),
-    ]  # fmt: skip
-    return json.dumps(fields) if any(fields) else ""
+    values = tree_values(s)
+    return json.dumps(values) if values else ""
 
 
 def _load_tree(state: RunState, raw: str) -> None:
-    t = json.loads(raw)
-    state.parent_run_id, state.root_run_id, state.ancestors, state.children = t[0], t[1], tuple(t[2]), t[3]
-    (
-        state.sub_spent_usd_nanos, state.sub_reserved_usd_nanos, state.sub_tokens,
-        state.sub_reserved_tokens, state.sub_steps, state.sub_tool_calls,
-    ) = t[4:10]  # fmt: skip
-    state.caps = replace(
-        state.caps, max_depth=t[10], max_children=t[11], max_tree_steps=t[12], max_tree_tool_calls=t[13]
-    )
-    state.child_ids = tuple(t[14])
+    load_tree_values(state, json.loads(raw))
 
 
 def load_runs(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
