@@ -11,9 +11,7 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from proxy import admin_http
@@ -68,22 +66,13 @@ def approvals(args: argparse.Namespace, config: Config) -> int:
 def _call(config: Config, args: argparse.Namespace, path: str, body: dict[str, Any] | None) -> Any:
     base = (args.url or f"http://{config.listen}").rstrip("/")
     token = cli_admin_token(config.admin_token, config.data_dir)
-    req = urllib.request.Request(f"{base}{path}")
-    if body is not None:
-        req = urllib.request.Request(
-            f"{base}{path}", method="POST", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
     try:
-        with admin_http.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        from proxy.clierrors import http_error
-
-        raise _Failed(http_error(e.code, e.read().decode("utf-8", "replace"))) from None
-    except urllib.error.URLError as e:
+        return admin_http.call_json(
+            f"{base}{path}", token, method="GET" if body is None else "POST", body=body
+        )
+    except admin_http.Refused as e:
+        raise _Failed(str(e)) from None
+    except admin_http.Unreachable as e:
         raise _Failed(
             f"cannot reach runcap at {base}: {e.reason} (is `runcap serve` running? use --url)"
         ) from None

@@ -7,8 +7,6 @@ import errno
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
 
 from proxy import admin_http
@@ -74,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="raise (or lower) a run's caps; `caps suggest`: per-task caps from the p99 of completed runs",
         description="`runcap caps RUN_ID --max-usd 2.00 --max-steps 30`: an operator's top-up of a "
         "run (POST /runs/{id}/caps); a run stopped by a cap that is raised continues with its next "
-        "call. `runcap caps suggest [--task T] [--since TIME]`: [tasks.\"NAME\"] tables for "
+        'call. `runcap caps suggest [--task T] [--since TIME]`: [tasks."NAME"] tables for '
         "runcap.toml from the p99 of completed runs, with the share of runs each would have stopped.",
     )
     _add_client_args(p)
@@ -435,22 +433,12 @@ def _call_and_print(
 ) -> tuple[int, dict[str, Any]]:  # fmt: skip
     """One admin call: print the answer (a table, or JSON); (exit code, answer). Nothing answering
     is `UNREACHABLE`, unprinted, with `quiet_unreachable`."""
-    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request(url, method=method, data=data)
-    if body is not None:
-        req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
     try:
-        with admin_http.urlopen(req, timeout=30) as resp:
-            data = json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        from proxy.clierrors import http_error
-
-        answer = http_error(e.code, e.read().decode("utf-8", "replace"))
-        print(f"runcap {_verb(url)}: {answer}", file=sys.stderr)
+        data = admin_http.call_json(url, token, method=method, body=body)
+    except admin_http.Refused as e:
+        print(f"runcap {_verb(url)}: {e}", file=sys.stderr)
         return 1, {}
-    except urllib.error.URLError as e:
+    except admin_http.Unreachable as e:
         if quiet_unreachable:
             return UNREACHABLE, {}
         verb = _verb(url)

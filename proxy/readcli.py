@@ -23,8 +23,6 @@ import json
 import re
 import sys
 import textwrap
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -32,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proxy import admin_http
-from proxy.clierrors import http_error, store_error
+from proxy.clierrors import store_error
 from proxy.config import Config, SpanSettings
 from proxy.queryfiles import QueryFileError, bind, list_queries, load_query, parse_param_args
 from proxy.server.auth import cli_admin_token
@@ -67,21 +65,15 @@ class AdminSqlReader:
         self.where = f"{self.base_url}/admin/sql"
 
     def query(self, sql: str, params: dict[str, Any] | None = None) -> tuple[list[str], Rows]:
-        body = json.dumps({"sql": sql, "params": params or {}}).encode()
-        req = urllib.request.Request(
-            self.where, data=body, method="POST", headers={"Content-Type": "application/json"}
-        )
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with admin_http.urlopen(req, timeout=self.timeout_s) as resp:
-                answer = json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            answer = http_error(e.code, e.read().decode("utf-8", "replace"))
-            raise ReadError(f"{self.where}: {answer}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            raise StoreUnreachable(f"no runcap answers at {self.base_url} ({reason})") from None
+            answer = admin_http.call_json(
+                self.where, self.token, method="POST", body={"sql": sql, "params": params or {}},
+                timeout=self.timeout_s,
+            )  # fmt: skip
+        except admin_http.Refused as e:
+            raise ReadError(f"{self.where}: {e}") from None
+        except admin_http.Unreachable as e:
+            raise StoreUnreachable(f"no runcap answers at {self.base_url} ({e.reason})") from None
         return answer["columns"], answer["rows"]
 
     def close(self) -> None:

@@ -13,9 +13,7 @@ import asyncio
 import json
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -79,23 +77,14 @@ def _http(config: Config, args: argparse.Namespace, resolution: dict[str, Any] |
         query = {"state": args.state}
         if args.run_id:
             query["run_id"] = args.run_id
-        req = urllib.request.Request(f"{base}/admin/idempotency?{urllib.parse.urlencode(query)}")
+        url, method = f"{base}/admin/idempotency?{urllib.parse.urlencode(query)}", "GET"
     else:
-        key = urllib.parse.quote(args.key, safe="")
-        req = urllib.request.Request(
-            f"{base}/admin/idempotency/{key}/resolve", method="POST", data=json.dumps(resolution).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+        url, method = f"{base}/admin/idempotency/{urllib.parse.quote(args.key, safe='')}/resolve", "POST"
     try:
-        with admin_http.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        from proxy.clierrors import http_error
-
-        raise _Failed(http_error(e.code, e.read().decode("utf-8", "replace"))) from None
-    except urllib.error.URLError as e:
+        return admin_http.call_json(url, token, method=method, body=resolution)
+    except admin_http.Refused as e:
+        raise _Failed(str(e)) from None
+    except admin_http.Unreachable as e:
         raise _Failed(
             f"cannot reach runcap at {base}: {e.reason} (is `runcap serve` running? use --url, or "
             "--data-dir to open the ledger directly)"

@@ -261,8 +261,9 @@ async def test_a_request_without_a_run_id_has_the_operators_timeout(  # type: ig
 
 
 async def test_the_cli_never_follows_a_redirect_with_the_admin_token(edges, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """`runcap cancel`, `reconcile` and `sql` against a `--url` that redirects: they fail, and the
-    admin token they carry never reaches the other origin (urllib would resend it there)."""
+    """`runcap cancel`, `reconcile`, `sql`, `approvals` and `approve` against a `--url` that
+    redirects: they fail, and the admin token they carry never reaches the other origin (urllib
+    would resend it there). One call serves them all (proxy/admin_http.call_json)."""
     from proxy.cli import main
 
     edge, other = edges
@@ -273,8 +274,10 @@ async def test_the_cli_never_follows_a_redirect_with_the_admin_token(edges, monk
         ["cancel", "r-1", "--url", url],
         ["reconcile", "--url", url],
         ["sql", "SELECT 1", "--url", url],
+        ["approvals", "--url", url],
+        ["approve", "ap-1", "--url", url],
     ):
         assert await asyncio.to_thread(main, argv) != 0, argv
-    assert len(edge.on("redirect")) == 3
+    assert len(edge.on("redirect")) == 5
     assert all(h.headers["authorization"].endswith("0123456789") for h in edge.on("redirect"))
     assert other.hits == []
