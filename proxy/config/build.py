@@ -128,7 +128,7 @@ def build_config(
         local=sections.LocalSettings(**read_section(sections.LocalSettings, _section(raw, "local"), "local")),
         metrics=_metrics(_section(raw, "metrics"), env, tenants=bool(client_tokens)),
         approvals=sections.ApprovalSettings(
-            **read_section(sections.ApprovalSettings, _section(raw, "approvals"), "approvals")
+            **read_section(sections.ApprovalSettings, _section(raw, "approvals"), "approvals", env)
         ),
         upstreams=upstreams,
         tools=tools,

@@ -12,6 +12,8 @@ entry's name more than on a type.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,6 +62,27 @@ def _admin_token(token: str, name: str) -> str:
             "generates one in its data directory"
         )
     return token
+
+
+# Standard Webhooks (standardwebhooks.com): a signing secret is `whsec_` + base64 of 24-64 bytes.
+WEBHOOK_SECRET_BYTES = (24, 64)
+
+
+def _webhook_secret(secret: str, name: str) -> str:
+    """The secret is checked, never echoed: the message names the setting and what is wrong."""
+    raw = secret.removeprefix("whsec_")
+    how = (
+        "generate one with `python -c 'import base64, secrets; "
+        'print("whsec_" + base64.b64encode(secrets.token_bytes(32)).decode())\''
+    )
+    try:
+        key = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
+    except binascii.Error:
+        raise ConfigError(f"{name}: not base64 (expected `whsec_` + base64 of random bytes); {how}") from None
+    low, high = WEBHOOK_SECRET_BYTES
+    if not low <= len(key) <= high:
+        raise ConfigError(f"{name}: {len(key)} bytes of key, expected {low} to {high}; {how}")
+    return secret
 
 
 _DAY_S = 86400  # the bound of every connection and ledger timeout
@@ -252,6 +275,11 @@ class ApprovalSettings:
     approval_webhook_timeout_s: float = setting(
         5.0, "each webhook attempt's timeout (3 attempts)", above=0, unit="seconds"
     )
+    approval_webhook_secret: str | None = setting(
+        None, "signs each announcement the Standard Webhooks way (`webhook-id`, `webhook-timestamp`, "
+        "`webhook-signature: v1,<HMAC-SHA256>`): `whsec_` + base64 of 24-64 random bytes",
+        env="RUNCAP_APPROVAL_WEBHOOK_SECRET", check=_webhook_secret, shown="none (unsigned)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,7 +131,8 @@ class ApprovalDesk:
         self.metrics = metrics
         failed = metrics.approval_webhook_failures.inc if metrics is not None else None
         self.webhook = ApprovalWebhook(
-            settings.approval_webhook_url, settings.approval_webhook_timeout_s, on_failure=failed
+            settings.approval_webhook_url, settings.approval_webhook_timeout_s, on_failure=failed,
+            secret=settings.approval_webhook_secret,
         )
         self._decided: dict[str, asyncio.Event] = {}  # approval id → set by a decision made here
 

@@ -7,6 +7,7 @@ and decides only its own approvals."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import secrets
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import standardwebhooks
 from aiohttp import web
 from mcp.shared.exceptions import MCPError
 
@@ -271,12 +273,23 @@ async def test_the_webhook_announces_each_pending_approval_and_retries(  # type:
     runcap_factory, tool, tmp_path
 ) -> None:
     """A real receiver that fails its first delivery: the announcement is retried; a receiver that
-    is down is logged and counted, and the agent's answer never waits for it."""
+    is down is logged and counted, and the agent's answer never waits for it. Every attempt is
+    signed the Standard Webhooks way: the reference library (standardwebhooks) verifies it with the
+    configured secret, refuses it with another, and the retry keeps the approval's id."""
     got: list[Any] = []
+    ids: list[str] = []
     delivered = asyncio.Event()
+    secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+    other = standardwebhooks.Webhook("whsec_" + base64.b64encode(secrets.token_bytes(32)).decode())
 
     async def receive(request: web.Request) -> web.Response:
-        got.append(await request.json())
+        raw = await request.read()
+        got.append(standardwebhooks.Webhook(secret).verify(raw, dict(request.headers)))
+        try:
+            other.verify(raw, dict(request.headers))
+            ids.append("verified with another secret!")
+        except standardwebhooks.webhooks.WebhookVerificationError:
+            ids.append(request.headers["webhook-id"])
         if len(got) == 1:
             return web.Response(status=503)
         delivered.set()
@@ -290,7 +303,10 @@ async def test_the_webhook_announces_each_pending_approval_and_retries(  # type:
     await site.start()
     try:
         hook = f"http://127.0.0.1:{runner.addresses[0][1]}/hook"
-        announced = {**refund_with(tool, mode="defer"), "approvals": {"approval_webhook_url": hook}}
+        announced = {
+            **refund_with(tool, mode="defer"),
+            "approvals": {"approval_webhook_url": hook, "approval_webhook_secret": secret},
+        }
         rc = await runcap_factory(announced, data_dir=tmp_path / "a")
         run = f"run-{secrets.token_hex(4)}"
         status, _, body = await call(f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500})
@@ -298,6 +314,8 @@ async def test_the_webhook_announces_each_pending_approval_and_retries(  # type:
         await asyncio.wait_for(delivered.wait(), timeout=10)
         assert len(got) == 2 and got[0] == got[1]
         sent = got[1]
+        # one message id across the retry; a receiver with another secret refused both
+        assert ids == [sent["id"], sent["id"]]
         assert (sent["id"], sent["run_id"], sent["tool"], sent["rule"]) == (
             body["error"]["approval_id"], run, "refund", "large",
         )  # fmt: skip

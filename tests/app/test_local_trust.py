@@ -8,6 +8,7 @@ what is checked belongs to the served process (its start-up, its files, its conn
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import os
@@ -155,6 +156,24 @@ def test_a_short_admin_token_is_a_configuration_error() -> None:
     with pytest.raises(ConfigError, match=r"^admin_token: .*at least 32"):
         build_config({"admin_token": "x" * 31})
     assert build_config({}, {"RUNCAP_ADMIN_TOKEN": "x" * 32}).admin_token == "x" * 32
+
+
+def test_a_bad_webhook_secret_is_a_configuration_error_that_does_not_show_it() -> None:
+    """`approval_webhook_secret`: `whsec_` + base64 of 24-64 bytes (Standard Webhooks); the error
+    names the setting and says how to make one, and never prints the secret."""
+    short = "whsec_" + base64.b64encode(b"k" * 23).decode()
+    expected = r"^approvals.approval_webhook_secret: 23 bytes of key, expected 24 to 64; generate"
+    with pytest.raises(ConfigError, match=expected) as e:
+        build_config({"approvals": {"approval_webhook_secret": short}})
+    assert short[6:] not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^RUNCAP_APPROVAL_WEBHOOK_SECRET: not base64") as e:
+        build_config({}, {"RUNCAP_APPROVAL_WEBHOOK_SECRET": "whsec_not*base64*at-all"})
+    assert "not*base64" not in str(e.value)
+    good = "whsec_" + base64.b64encode(b"k" * 32).decode()
+    from_env = build_config({}, {"RUNCAP_APPROVAL_WEBHOOK_SECRET": good}).approvals
+    assert from_env.approval_webhook_secret == good
+    bare = good.removeprefix("whsec_")  # the prefix is optional, as in the reference libraries
+    assert build_config({"approvals": {"approval_webhook_secret": bare}}).approvals.approval_webhook_secret
 
 
 def _serve(tmp_path: Path, data: Path, extra: str = "") -> subprocess.CompletedProcess[str]:
