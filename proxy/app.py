@@ -137,7 +137,7 @@ def build_app(
     app[RUNTIME] = rt
 
     guard = AdminGuard(config.admin_token)
-    clients = ClientAuth(config.client_tokens, config.tenant_upstream_keys)
+    clients = ClientAuth(config.client_tokens, config.tenant_upstream_keys, config.approver_tokens)
     metrics_guard = (
         AdminGuard(
             config.admin_token, config.metrics.token or "", what="GET /metrics ([metrics] require_token)"

@@ -65,7 +65,8 @@ def approvals(args: argparse.Namespace, config: Config) -> int:
 
 def _call(config: Config, args: argparse.Namespace, path: str, body: dict[str, Any] | None) -> Any:
     base = (args.url or f"http://{config.listen}").rstrip("/")
-    token = cli_admin_token(config.admin_token, config.data_dir)
+    # A tenant's person decides with the tenant's approver token; an operator with the admin token.
+    token = os.environ.get("RUNCAP_APPROVER_TOKEN") or cli_admin_token(config.admin_token, config.data_dir)
     try:
         return admin_http.call_json(
             f"{base}{path}", token, method="GET" if body is None else "POST", body=body

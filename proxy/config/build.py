@@ -117,7 +117,7 @@ def build_config(
     for model, section in _table(raw, "models").items():
         check_known(section, f"models.{model}", {"max_output_tokens"})
         model_max_output[model] = _int(section, f"models.{model}", "max_output_tokens", minimum=1)
-    client_tokens, tenant_keys = _client_tokens(_table(raw, "auth"), env, upstreams)
+    client_tokens, tenant_keys, approver_tokens = _client_tokens(_table(raw, "auth"), env, upstreams)
 
     return sections.Config(
         **server,
@@ -138,6 +138,7 @@ def build_config(
         context=_context(raw.get("context", {}), tasks),
         client_tokens=client_tokens,
         tenant_upstream_keys=tenant_keys,
+        approver_tokens=approver_tokens,
     )
 
 
@@ -369,21 +370,23 @@ def _secret(value: Any, where: str, env: Mapping[str, str], what: str) -> str:
 
 def _client_tokens(
     section: Mapping[str, Any], env: Mapping[str, str], upstreams: Mapping[str, sections.UpstreamConfig]
-) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+) -> tuple[dict[str, str], dict[str, dict[str, str]], dict[str, str]]:
     """`[auth] client_tokens = { tenant = "token" | "env:VAR" | { token = ..., upstream_keys =
-    { upstream = "key" | "env:VAR" } } }` → (token → tenant, tenant → upstream → provider key)."""
+    { upstream = "key" | "env:VAR" }, approver_token = ... } }` → (token → tenant, tenant →
+    upstream → provider key, approver token → tenant)."""
     check_known(section, "auth", {"client_tokens"})
     table = section.get("client_tokens", {})
     if not isinstance(table, dict):
         raise ConfigError('auth.client_tokens: expected a table of tenant = "token" (or "env:VAR")')
     tokens: dict[str, str] = {}
     keys: dict[str, dict[str, str]] = {}
+    approvers: dict[str, str] = {}
     for tenant, value in table.items():
         where = f"auth.client_tokens.{tenant}"
         if not 1 <= len(tenant) <= 64 or not set(tenant) <= _TENANT_CHARS:
             raise ConfigError(f"{where}: a tenant name is 1-64 characters of A-Z a-z 0-9 . _ -")
         if isinstance(value, dict):
-            check_known(value, where, {"token", "upstream_keys"})
+            check_known(value, where, {"token", "upstream_keys", "approver_token"})
             own = value.get("upstream_keys", {})
             if not isinstance(own, dict):
                 raise ConfigError(
@@ -401,6 +404,20 @@ def _client_tokens(
             if "token" not in value:
                 raise ConfigError(f"{where}.token: required (the tenant's client token)")
             token = _secret(value["token"], f"{where}.token", env, "a token")
+            if "approver_token" in value:
+                approver = _secret(value["approver_token"], f"{where}.approver_token", env, "a token")
+                if len(approver) < sections.MIN_ADMIN_TOKEN_CHARS:
+                    raise ConfigError(
+                        f"{where}.approver_token: an approver token needs at least "
+                        f"{sections.MIN_ADMIN_TOKEN_CHARS} characters (it releases held side effects)"
+                    )
+                if approver in approvers or approver == token:
+                    raise ConfigError(
+                        f"{where}.approver_token: must differ from every client token and every "
+                        "other approver token (the agent holds its client token: an approver token "
+                        "it also holds would let it approve its own calls)"
+                    )
+                approvers[approver] = tenant
         else:
             token = _secret(value, where, env, "a token")
         if len(token) < 16:
@@ -408,7 +425,13 @@ def _client_tokens(
         if token in tokens:
             raise ConfigError(f"{where}: the same token is already given to tenant {tokens[token]!r}")
         tokens[token] = tenant
-    return tokens, keys
+    for approver, tenant in approvers.items():
+        if approver in tokens:
+            raise ConfigError(
+                f"auth.client_tokens.{tenant}.approver_token: must differ from every client token "
+                f"(it is tenant {tokens[approver]!r}'s client token)"
+            )
+    return tokens, keys, approvers
 
 
 def _policies(section: Mapping[str, Any], where: str) -> tuple[str, ...]:

@@ -559,6 +559,9 @@ class Config:
     # sends for that tenant instead of the upstream's own `api_key_env` (objects it creates at the
     # provider live in the tenant's own account or project).
     tenant_upstream_keys: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # [auth] client_tokens.TENANT.approver_token: approver token → tenant. It decides the tenant's
+    # approvals (`POST /approvals/{id}`); a client token only lists them — the agent holds it.
+    approver_tokens: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def listen_host(self) -> str:

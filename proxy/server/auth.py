@@ -109,11 +109,21 @@ class ClientAuth:
     client (the sidecar case)."""
 
     def __init__(
-        self, tokens: Mapping[str, str], upstream_keys: Mapping[str, Mapping[str, str]] | None = None
-    ) -> None:
+        self, tokens: Mapping[str, str], upstream_keys: Mapping[str, Mapping[str, str]] | None = None,
+        approvers: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
         # Looked up by digest, so the comparison does not leak a token's prefix through timing.
         self._by_digest = {hashlib.sha256(t.encode()).digest(): tenant for t, tenant in tokens.items()}
         self._upstream_keys = upstream_keys or {}
+        # `Authorization: Bearer <approver token>` → the tenant whose approvals it decides.
+        self._approvers = {
+            hashlib.sha256(f"Bearer {t}".encode()).digest(): tenant for t, tenant in (approvers or {}).items()
+        }
+
+    def approver(self, request: web.Request) -> str | None:
+        """The tenant whose approver token the request's `Authorization` carries, else None."""
+        given = request.headers.get("Authorization")
+        return self._approvers.get(hashlib.sha256(given.encode()).digest()) if given else None
 
     def upstream_key(self, tenant: str | None, upstream: str) -> str | None:
         """The provider key configured for `tenant` on `upstream` (`[auth] client_tokens.TENANT.

@@ -8,10 +8,13 @@
        → the record; 409 `approval_not_pending` once decided or expired; a denial needs a reason
        (the agent is told it)
 
-Who: the admin token sees and decides every approval. With `[auth] client_tokens`, a client
-token (`X-Run-Client-Token`, no admin token) sees and decides only its own tenant's — run ids as
-the tenant knows them (without the `{tenant}:` namespace), and another tenant's approval is a 404,
-as if it did not exist. `runcap approvals / approve / deny` (proxy/cli.py) call these routes.
+Who: the admin token sees and decides every approval. With `[auth] client_tokens`, a tenant's
+approver token (`client_tokens.TENANT.approver_token`, sent as `Authorization: Bearer`) sees and
+decides its own tenant's approvals, and a client token (`X-Run-Client-Token`) only *sees* them: the
+agent holds its client token, so a decision made with it would be the agent approving its own
+call — 403 `approval_needs_a_person`. Run ids as the tenant knows them (without the `{tenant}:`
+namespace); another tenant's approval is a 404, as if it did not exist. `runcap approvals /
+approve / deny` (proxy/approval_cli.py) call these routes.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class ApprovalNotPendingRejection(Rejection):
     code = "approval_not_pending"
 
 
+class ApprovalNeedsAPerson(Rejection):
+    status = 403
+    type = "forbidden"
+    code = "approval_needs_a_person"
+
+
 class ApprovalRoutes:
     def __init__(
         self,
@@ -72,21 +81,25 @@ class ApprovalRoutes:
 
         app.on_cleanup.append(close)
 
-    def _who(self, request: web.Request) -> str | None:
-        """None: the admin; else the tenant of the client token. Raises `Unauthorized`."""
+    def _who(self, request: web.Request) -> tuple[str | None, bool]:
+        """(None: the admin, else the tenant; whether it may decide): the admin token, a tenant's
+        approver token, or — listing only — its client token. Raises `Unauthorized`."""
         try:
             self.guard.check(request)
-            return None
+            return None, True
         except Unauthorized:
+            approver = self.clients.approver(request)
+            if approver is not None:
+                return approver, True
             if not self.clients.enabled or CLIENT_TOKEN_HEADER not in request.headers:
                 raise
         tenant = self.clients.tenant(request)
         assert tenant is not None
-        return tenant
+        return tenant, False
 
     async def listing(self, request: web.Request) -> web.Response:
         try:
-            tenant = self._who(request)
+            tenant, _ = self._who(request)
             state = request.query.get("state") or PENDING
             if state not in ("all", *APPROVAL_STATES):
                 raise InvalidRequest(f"state: one of all, {', '.join(APPROVAL_STATES)}", param="state")
@@ -112,7 +125,14 @@ class ApprovalRoutes:
 
     async def decide(self, request: web.Request) -> web.Response:
         try:
-            tenant = self._who(request)
+            tenant, may_decide = self._who(request)
+            if not may_decide:
+                raise ApprovalNeedsAPerson(
+                    f"{CLIENT_TOKEN_HEADER}: a client token lists its tenant's approvals but cannot "
+                    "decide them (the agent holds it: it would approve its own call); decide with "
+                    "the tenant's approver token ([auth] client_tokens.TENANT.approver_token, as "
+                    "Authorization: Bearer) or the admin token"
+                )
             approval_id = request.match_info["approval_id"]
             try:
                 body = orjson.loads(await request.read() or b"{}")
@@ -135,7 +155,7 @@ class ApprovalRoutes:
                 seen = await self.desk.ledger.get_approval(approval_id, time.time())
                 if seen is None or seen.tenant != tenant:
                     raise _not_found(approval_id)
-                by = f"{tenant}: {by or 'client token'}"
+                by = f"{tenant}: {by or 'approver token'}"
             try:
                 approval = await self.desk.decide(approval_id, decision == "approve", by or "admin", reason)
             except ApprovalNotPending as e:

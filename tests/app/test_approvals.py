@@ -148,8 +148,16 @@ async def test_a_decision_on_another_replica_releases_the_wait(  # type: ignore[
     assert call.attributes["approval.state"] == APPROVED
 
 
-async def test_tenants_see_and_decide_only_their_own(runcap_factory) -> None:  # type: ignore[no-untyped-def]
-    tokens = {"acme": "acme-token-0123456789abcdef", "globex": "globex-token-0123456789abcd"}
+APPROVER = {"acme": "acme-approver-0123456789abcdef-0123", "globex": "globex-approver-0123456789abcdef-01"}
+
+
+async def test_tenants_see_only_their_own_and_only_their_approver_decides(runcap_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client token lists its tenant's approvals but may not decide one (the agent holds it: it
+    would approve its own call); the tenant's approver token decides its own, never another's."""
+    tokens = {
+        "acme": {"token": "acme-token-0123456789abcdef", "approver_token": APPROVER["acme"]},
+        "globex": {"token": "globex-token-0123456789abcd", "approver_token": APPROVER["globex"]},
+    }
     rc = await runcap_factory({"auth": {"client_tokens": tokens}})
     desk: ApprovalDesk = rc.runtime.approvals
     acme = {"X-Run-Client-Token": "acme-token-0123456789abcdef"}
@@ -163,12 +171,57 @@ async def test_tenants_see_and_decide_only_their_own(runcap_factory) -> None:  #
         theirs = await listed(s, rc.url, globex, run="r1")
         assert [r["tenant"] for r in theirs] == ["globex"]
         assert {r["tenant"] for r in await listed(s, rc.url, rc.admin)} == {"acme", "globex"}
-        status, _ = await decide(s, rc.url, globex, mine[0]["id"], decision="approve")
+        approver = {name: {"Authorization": f"Bearer {t}"} for name, t in APPROVER.items()}
+        assert [r["id"] for r in await listed(s, rc.url, approver["acme"])] == [mine[0]["id"]]
+        status, refused = await decide(s, rc.url, acme, mine[0]["id"], decision="approve")
+        assert status == 403 and refused["error"]["code"] == "approval_needs_a_person", refused
+        assert (await desk.ledger.get_approval(mine[0]["id"], time.time())).state == PENDING  # type: ignore[union-attr]
+        status, _ = await decide(s, rc.url, approver["globex"], mine[0]["id"], decision="approve")
         assert status == 404
-        status, record = await decide(s, rc.url, acme, mine[0]["id"], decision="approve", by="dana")
+        status, record = await decide(
+            s, rc.url, approver["acme"], mine[0]["id"], decision="approve", by="dana"
+        )
         assert status == 200 and record["by"] == "acme: dana" and record["run_id"] == "r1"
         async with s.get(f"{rc.url}/approvals", headers={"X-Run-Client-Token": "nope"}) as r:
             assert r.status == 401
+
+
+def test_approver_token_configuration_errors_name_the_setting() -> None:
+    """An approver token releases held side effects: as long as an admin token, and never a token
+    the agent also holds (any tenant's client token, or another tenant's approver token)."""
+    from proxy.config import ConfigError, build_config
+
+    acme, globex = "acme-token-0123456789abcdef", "globex-token-0123456789abcd"
+    long = "x" * 32
+    for tokens, message in [
+        (
+            {"acme": {"token": acme, "approver_token": "x" * 31}},
+            "acme.approver_token: an approver token needs at least 32",
+        ),
+        ({"acme": {"token": long, "approver_token": long}}, "acme.approver_token: must differ"),
+        (
+            {
+                "acme": {"token": acme, "approver_token": long},
+                "globex": {"token": globex, "approver_token": long},
+            },
+            "globex.approver_token: must differ",
+        ),
+        (
+            {"acme": {"token": acme, "approver_token": "g" * 40}, "globex": "g" * 40},
+            "acme.approver_token: must differ from every client token (it is tenant 'globex'",
+        ),
+        (
+            {"acme": {"token": acme, "approver_token": "env:NOT_SET"}},
+            "acme.approver_token: environment variable",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            build_config({"auth": {"client_tokens": tokens}}, {})
+        assert str(err.value).startswith(f"auth.client_tokens.{message}"), err.value
+    config = build_config(
+        {"auth": {"client_tokens": {"acme": {"token": acme, "approver_token": "env:A"}}}}, {"A": long}
+    )
+    assert config.approver_tokens == {long: "acme"}
 
 
 # -- through /tools, with the tool's rules (toolcall/policy.py) ------------------------------------
