@@ -47,6 +47,7 @@ from proxy.scripted_upstream import ScriptedUpstream
 from tests.conftest import Runcap, RuncapProcess
 from tests.support.redis_server import RedisServer
 from tests.support.tmpfs import small_tmpfs
+from tests.support.tool_agent import call
 from tests.support.tool_service import ToolService
 
 MODEL = "fault-model"
@@ -748,3 +749,70 @@ async def test_full_disk_is_a_503_and_runcap_recovers_when_space_returns(  # typ
     # and charged whose answer was withheld — never one the ledger refused.
     made = sum(1 for x in answers if x.status == 200 or withheld(x))
     assert forwarded(upstream, runs) == made + 2 * len(runs)
+
+
+async def test_a_full_disk_fails_approvals_closed_and_they_resume_when_space_returns(  # type: ignore[no-untyped-def]
+    small_disk, runcap_factory
+):
+    """Approvals on a full SQLite disk: a call a rule holds cannot be recorded, so it is refused
+    (503 `ledger_disk_full`) — never executed unrecorded, never held without a record; a decision
+    cannot be written either (503, the approval still pending, never a 500); a held call asked
+    again stays held. When space returns: the approval made before the disk filled is decided,
+    the call executes once, and the call refused meanwhile is a new approval, not an execution."""
+    svc = await ToolService().start()
+    try:
+        rule = {"name": "large", "when": "args.amount > 100", "effect": "approve", "mode": "defer",
+                "reason": "refunds over 100 need a person"}  # fmt: skip
+        config = {
+            "ledger_timeout_s": LEDGER_TIMEOUT_S,
+            "tools": {"refund": {"url": f"{svc.url}/refund", "side_effects": True,
+                                 "key_fields": ["order_id", "amount"], "rules": [rule]}},
+        }  # fmt: skip
+        rc = await runcap_factory(config, data_dir=small_disk / "data")
+        run = f"disk-approval-{secrets.token_hex(3)}"
+        first, later = {"order_id": "o-1", "amount": 500}, {"order_id": "o-2", "amount": 700}
+
+        async def refund(body: dict[str, Any]) -> tuple[int, Any]:
+            status, _, answer = await call(f"{rc.url}/tools/refund", run, body)
+            return status, answer
+
+        async def decide(approval_id: str) -> tuple[int, Any]:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s, s.post(
+                f"{rc.url}/approvals/{approval_id}", json={"decision": "approve", "by": "alice"},
+                headers=rc.admin,
+            ) as r:  # fmt: skip
+                return r.status, await r.json()
+
+        status, answer = await refund(first)
+        assert status == 428, answer
+        approval_id = answer["error"]["approval_id"]
+        assert (await refund({"order_id": "o-3", "amount": 5}))[0] == 200  # no rule holds it
+        filler = small_disk / "filler"
+        await asyncio.to_thread(fill, filler)
+
+        status, answer = await refund(later)  # its approval cannot be recorded
+        assert (status, answer["error"]["code"]) == (503, "ledger_disk_full"), answer
+        status, answer = await decide(approval_id)  # nor can a decision
+        assert status == 503 and answer["error"]["code"] == "ledger_disk_full", answer
+        status, answer = await refund(first)  # asked again: still held, or refused — never run
+        assert status in (428, 503), answer
+        assert svc.executions == 1  # only the small refund
+
+        os.remove(filler)
+
+        async def ready_again() -> bool:
+            return (await get_json(f"{rc.url}/readyz"))[0] == 200
+
+        await wait_until(ready_again, 15, "ready once space returned")
+        [pending] = [a for a in await rc.ledger.list_approvals(time.time(), state="pending", run_id=run)]
+        assert pending.id == approval_id and pending.state == "pending"  # the decision was not half-made
+        status, answer = await decide(approval_id)
+        assert status == 200 and answer["state"] == "approved", answer
+        status, answer = await refund(first)
+        assert status == 200, answer
+        assert (await refund(first))[0] == 200  # a replay
+        status, answer = await refund(later)  # refused while the disk was full: asks again now
+        assert status == 428 and answer["error"]["approval_id"] != approval_id, answer
+        assert svc.executions == 2  # the small refund and the approved one, each once
+    finally:
+        await svc.stop()
