@@ -70,7 +70,7 @@ _COUNTED = {
     ("decided", APPROVED): "approved",
     ("decided", DENIED): "denied",
     ("refused", "expired"): "expired",
-    ("refused", "cancelled"): "cancelled",
+    ("decided", "cancelled"): "cancelled",  # the cancel's denial, once, held or deferred
 }
 
 
@@ -281,11 +281,22 @@ class ApprovalDesk:
         approval = await self.ledger.decide_approval(approval_id, approve, by, reason, time.time())
         if approval is None:
             return None
+        self._wake(approval_id)
+        self._record(approval, None, "decided", "")
+        return approval
+
+    async def run_cancelled(self, run_id: str) -> None:
+        """The run was cancelled (`POST /runs/{id}/cancel`): its pending approvals are denied (by
+        `runcap: run cancelled`), each denial an `approval` span — a deferred one as much as one
+        a call waits on — and a call held here woken."""
+        for approval in await self.ledger.deny_pending_approvals(run_id, time.time()):
+            self._wake(approval.id)
+            self._record(approval, None, "decided", "")
+
+    def _wake(self, approval_id: str) -> None:
         event = self._decided.pop(approval_id, None)
         if event is not None:
             event.set()
-        self._record(approval, None, "decided", "")
-        return approval
 
     # -- the record --------------------------------------------------------------------------------
 

@@ -396,3 +396,33 @@ async def test_a_deferred_call_fixes_its_runs_deadline_and_a_cancelled_run_asks_
         status, _, body = await call(f"{rc.url}/tools/refund", cancelled, big)
         assert status == 410 and body["error"]["type"] == "run_cancelled"
         assert await listed(s, rc.url, rc.admin, run=cancelled, state="all") == []
+
+
+async def test_a_cancel_that_denies_a_deferred_approval_is_a_span(runcap_factory, tool) -> None:  # type: ignore[no-untyped-def]
+    """No call waits on it (defer), yet the cancel's denial is on the record: an `approval` span
+    `decided` by `runcap: run cancelled` — once, however often the run is cancelled."""
+    rc = await runcap_factory({**refund_with(tool, mode="defer"), "tracing": True})
+    run = f"run-{secrets.token_hex(4)}"
+    status, _, body = await call(f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500})
+    assert status == 428
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(f"{rc.url}/runs/{run}/cancel", headers=rc.admin) as r:
+                assert r.status == 200
+        [after] = await listed(s, rc.url, rc.admin, run=run, state="all")
+    assert after["state"] == "denied" and after["by"] == "runcap: run cancelled"
+    decided = (
+        "SELECT attributes['approval.id'] AS id, attributes['approval.state'] AS state, "
+        "attributes['approval.by'] AS by FROM runcap.spans "
+        f"WHERE kind = 'approval' AND run_id = '{run}' AND attributes['approval.event'] = 'decided'"
+    )
+    # A refused call after the cancels: its span is behind theirs in the WAL, so once it is in
+    # the store every span the cancels wrote is too.
+    status, _, _ = await call(f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500})
+    assert status == 410
+    marker = f"SELECT 1 FROM runcap.spans WHERE kind = 'tool' AND run_id = '{run}' AND status_code = 410"
+    assert len(await wait_rows(rc, marker, 1)) == 1
+    rows = await sql(rc, decided)
+    assert [(r["id"], r["state"], r["by"]) for r in rows] == [
+        (body["error"]["approval_id"], "denied", "runcap: run cancelled")
+    ]
