@@ -206,6 +206,8 @@ class MCPToolCalls:
             # denied call, or one that waits for a person, has no idempotency record.
             admission = ADMITTED
             if self.route.policy.has_rules(qualified):
+                # Kept before a rule may hold the call: `runcap approvals` shows its arguments.
+                call.keep_body(self.recorder, body, response=False)
                 admission = await self.route.policy.admit(call, req, run, args=arguments, server=server.name)
                 req = replace(req, now=time.time())  # an approval may have been waited for
             try:
@@ -283,7 +285,8 @@ class MCPToolCalls:
         if call.key is not None:
             headers["Idempotency-Key"] = call.key
         headers.update(limits.headers())
-        call.request_hash = self.recorder.payload(body)
+        if not call.request_hash:
+            call.request_hash = self.recorder.payload(body)
         task = asyncio.current_task()
         assert task is not None
         executing = self.calls.executing(run.run_id, call.key)

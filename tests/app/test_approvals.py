@@ -377,6 +377,29 @@ async def test_mcp_call_held_then_approved_executes_once(kind, servers, runcap_f
     assert ran(big) + ran(other) == 1
 
 
+async def test_the_operator_sees_the_arguments_of_a_held_mcp_call(servers, runcap_factory) -> None:  # type: ignore[no-untyped-def]
+    """The call's body is kept before the rules hold it: `GET /approvals` (what `runcap approvals`
+    prints) has its `params.arguments`, not only their hash."""
+    server = servers("stateless-json")
+    rc = await runcap_factory(
+        mcp_config(server, tools={"refund": {"rules": [LARGE]}}, payloads="all", tracing=True)
+    )
+    run, order = rid("args"), rid("o")
+    args = {"order_id": order, "amount": 500, "currency": "EUR"}
+    async with mcp_session(f"{rc.url}/mcp/crm", run) as agent, aiohttp.ClientSession() as s:
+        held = asyncio.create_task(agent.call_tool("refund", args))
+        [row] = await until_pending(s, rc.url, rc.admin, run)
+        for _ in range(200):  # the shipper stores the body in the background
+            if row["args"] is not None:
+                break
+            await asyncio.sleep(0.05)
+            [row] = await listed(s, rc.url, rc.admin, run=run)
+        assert row["args"] == args
+        assert (await decide(s, rc.url, rc.admin, row["id"], decision="approve"))[0] == 200
+        assert not (await asyncio.wait_for(held, 10)).is_error
+    assert len([e for e in server.stats()["executions"] if e["args"].get("order_id") == order]) == 1
+
+
 async def test_a_deferred_call_fixes_its_runs_deadline_and_a_cancelled_run_asks_nobody(  # type: ignore[no-untyped-def]
     runcap_factory, tool
 ) -> None:
