@@ -252,6 +252,10 @@ class ApprovalSettings:
     approval_webhook_timeout_s: float = setting(
         5.0, "each webhook attempt's timeout (3 attempts)", above=0, unit="seconds"
     )
+    approval_keepalive_s: float = setting(
+        15.0, "`wait` mode over MCP: between two keep-alives on the SSE stream of a held `tools/call` "
+        "(below the agent's read timeout)", minimum=0.1, maximum=3600.0, unit="seconds",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
