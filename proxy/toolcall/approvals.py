@@ -11,9 +11,11 @@ approved, goes through the idempotency record as every call does: sent again, it
   this process, within `POLL_S` by one made on another replica (a read of one ledger key per held
   call) — or until it expires (`approval_ttl_s`, or the run's deadline: 504), or the run is
   cancelled (410; a cancel also denies the run's pending approvals in the ledger, which is how a
-  cancel on another replica reaches a held call). While it waits, `keepalive` (when the gateway
-  can send one: an SSE comment) is called every `KEEPALIVE_S`. `/tools` sends nothing while it
-  waits: its answer is one HTTP response whose status is the decision's, so no byte can go first.
+  cancel on another replica reaches a held call). `keepalive`, when the gateway can send one
+  (MCP to an agent that takes SSE: the answer becomes an event stream at once, then a comment —
+  and `notifications/progress` when asked for — on it), is called when the wait begins and every
+  `approval_keepalive_s` while it lasts. `/tools` sends nothing while it waits: its answer is one
+  HTTP response whose status is the decision's, so no byte can go first.
 * `defer`: 428 `approval_required` at once, with `error.approval_id` and `Retry-After`
   (`approval_retry_after_s`); the same call sent again after approval executes (once), after a
   denial gets 403 `tool_call_denied`.
@@ -63,7 +65,6 @@ from proxy.toolcall.webhook import ApprovalWebhook
 log = logging.getLogger("runcap.approvals")
 
 POLL_S = 0.25  # how soon a decision made on another replica reaches a held call
-KEEPALIVE_S = 15.0  # between two keep-alives of a held call
 # (span event, state) → the `runcap_approvals_total` event it counts as (each approval once per outcome)
 _COUNTED = {
     ("requested", PENDING): "requested",
@@ -120,14 +121,13 @@ class ApprovalDesk:
         tenants: bool = False,
         metrics: Metrics | None = None,
         poll_s: float = POLL_S,
-        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self.ledger = ledger
         self.settings = settings
         self.recorder = recorder
         self.tenants = tenants
         self.poll_s = poll_s
-        self.keepalive_s = keepalive_s
+        self.keepalive_s = settings.approval_keepalive_s
         self.metrics = metrics
         failed = metrics.approval_webhook_failures.inc if metrics is not None else None
         self.webhook = ApprovalWebhook(
@@ -217,6 +217,9 @@ class ApprovalDesk:
         event = self._decided.setdefault(approval.id, asyncio.Event())
         next_beat = time.monotonic() + self.keepalive_s
         try:
+            if keepalive is not None and approval.state == PENDING:
+                await keepalive()  # the wait begins: the agent hears of it now, not a beat later
+                next_beat = time.monotonic() + self.keepalive_s
             while approval.state == PENDING:
                 now = time.time()
                 if deadline is not None and now >= deadline:
