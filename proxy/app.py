@@ -145,11 +145,14 @@ def build_app(
         if config.metrics.require_token
         else None
     )
-    OpsRoutes(ledger, metrics, rt.flights, guard, spans.client, rt.recorder, metrics_guard).add_to(app)
     # Tool calls a rule holds for a person, and GET/POST /approvals (toolcall/approval_routes.py).
     rt.approvals = ApprovalDesk(
         ledger, config.approvals, rt.recorder, tenants=clients.enabled, metrics=metrics
     )
+    OpsRoutes(
+        ledger, metrics, rt.flights, guard, spans.client, rt.recorder, metrics_guard,
+        on_cancel=rt.approvals.run_cancelled,  # a cancel denies the run's pending approvals
+    ).add_to(app)  # fmt: skip
     ApprovalRoutes(
         rt.approvals, guard, clients, data_dir=config.data_dir, s3_url=config.spans.s3_url
     ).add_to(app)

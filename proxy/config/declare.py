@@ -192,8 +192,11 @@ def parse_decimal(s: Setting, value: Any, name: str) -> Decimal:
             pass
     if d is None or not d.is_finite():
         raise ConfigError(f"{name}: expected a number, got {value!r}")
-    low_ok = d > s.above if s.above is not None else d >= (s.minimum or 0)
-    if low_ok and (s.maximum is None or d <= s.maximum):
+    # The bounds as written (`0.1`), not as binary floats (0.1000000000000000055...).
+    bounds = (s.above, s.minimum, s.maximum)
+    above, minimum, maximum = (None if b is None else Decimal(str(b)) for b in bounds)
+    low_ok = d > above if above is not None else d >= (minimum or 0)
+    if low_ok and (maximum is None or d <= maximum):
         return d
     low = f"> {s.above:g}" if s.above is not None else f"≥ {s.minimum or 0:g}"
     high = f" and ≤ {s.maximum:g}" if s.maximum is not None else ""

@@ -25,8 +25,8 @@ TABLES: dict[type, str] = {
     "ceilings clamp them)",
     sections.LocalSettings: "who may drive a runcap on this machine, against DNS rebinding",
     sections.MetricsSettings: "who may read `GET /metrics`, and the model names its labels show",
-    sections.ApprovalSettings: "tool calls held for a person (`effect = \"approve\"` rules): expiry, "
-    "`Retry-After`, the webhook",
+    sections.ApprovalSettings: 'tool calls held for a person (`effect = "approve"` rules): expiry, '
+    "`Retry-After`, the webhook, MCP keep-alives",
     sections.UpstreamConfig: "a model provider: `openai` and `anthropic` are built in, "
     "others are at `/u/NAME/`",
     sections.ToolConfig: "a tool service, at `/tools/NAME`",

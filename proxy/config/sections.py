@@ -280,6 +280,10 @@ class ApprovalSettings:
         "`webhook-signature: v1,<HMAC-SHA256>`): `whsec_` + base64 of 24-64 random bytes",
         env="RUNCAP_APPROVAL_WEBHOOK_SECRET", check=_webhook_secret, shown="none (unsigned)",
     )  # fmt: skip
+    approval_keepalive_s: float = setting(
+        15.0, "`wait` mode over MCP: between two keep-alives on the SSE stream of a held `tools/call` "
+        "(below the agent's read timeout)", minimum=0.1, maximum=3600.0, unit="seconds",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

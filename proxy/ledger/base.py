@@ -457,7 +457,8 @@ class Ledger(abc.ABC):
 
     @abc.abstractmethod
     async def deny_pending_approvals(self, run_id: str, now: float) -> list[Approval]:
-        """The run was cancelled: deny its pending approvals (`deny_for_cancel`). The denied ones."""
+        """The run was cancelled: deny its pending approvals (`deny_for_cancel`). The denied ones —
+        each exactly once, however many cancels race (the caller records each denial: a span)."""
 
 
 # A cap an operator may set: RunCaps field → the value (None: remove the cap).

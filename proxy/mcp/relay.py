@@ -224,7 +224,7 @@ class StreamableHTTPRelay:
                         messages[i], changed = new, True
                 if changed:
                     data = dumps(messages if batch else messages[0])
-        reply.body(upstream.status, headers, data, messages)
+        await reply.body(upstream.status, headers, data, messages)
         answered = any(is_response(m) and m.get("id") == rid for m in messages)
         return StreamEnd(answered=answered or rid is None or upstream.status >= 400)
 

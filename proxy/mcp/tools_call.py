@@ -3,9 +3,10 @@ servers"), through the same machinery as `/tools` (proxy/toolcall/):
   1. denied tool → -32044; the tool's rules (`[[mcp.NAME.tools.TOOL.rules]]`, toolcall/policy.py,
      before the ledger): a denial is a `tools/call` result with `isError: true` and the rule's
      reason as its text (the model reads it; `_meta["runcap/refusal"]` has the type, code and
-     rule), an approval waits at the gate; side effects from the operator's override or the
-     annotations (a tool not seen listed yet: runcap lists the server's tools first, in the
-     agent's session: listing.py);
+     rule), an approval waits at the gate — for an agent that takes SSE, on a stream runcap
+     opens at once and keeps alive (`_keepalive`; the decision's answer then comes on it);
+     side effects from the operator's override or the annotations (a tool not seen listed yet:
+     runcap lists the server's tools first, in the agent's session: listing.py);
   2. the ledger, atomically: run live? `X-Run-Max-Tool-Calls`? For a side-effecting call its
      idempotency record — key = sha256({"run", "tool": "mcp:{server}/{tool}", "args":
      params.arguments restricted to `key_fields`, "op": `params._meta["runcap/operation_id"]` or
@@ -36,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -58,7 +60,7 @@ from proxy.mcp.catalog import ToolCatalog
 from proxy.mcp.listing import ToolListing
 from proxy.mcp.outcome import outcome_of, replayed
 from proxy.mcp.relay import ANSWER_FAILED, Exchange, StreamableHTTPRelay
-from proxy.mcp.reply import Reply
+from proxy.mcp.reply import LiveReply, Reply
 from proxy.mcp.wire import (
     JSON,
     ToolDenied,
@@ -206,7 +208,12 @@ class MCPToolCalls:
             # denied call, or one that waits for a person, has no idempotency record.
             admission = ADMITTED
             if self.route.policy.has_rules(qualified):
-                admission = await self.route.policy.admit(call, req, run, args=arguments, server=server.name)
+                # Kept before a rule may hold the call: `runcap approvals` shows its arguments.
+                call.keep_body(self.recorder, body, response=False)
+                keepalive = self._keepalive(reply, call, message["id"], meta, headers)
+                admission = await self.route.policy.admit(
+                    call, req, run, args=arguments, server=server.name, keepalive=keepalive
+                )
                 req = replace(req, now=time.time())  # an approval may have been waited for
             try:
                 if limit is not None and call.key is None:
@@ -234,6 +241,39 @@ class MCPToolCalls:
             except Exception:
                 await self.calls.unknown(call, "runcap failed during the call", f"mcp:{server.name}")
                 raise
+
+    def _keepalive(
+        self, reply: Reply, call: ToolCall, rid: Any, meta: dict[str, Any], headers: CIMultiDict[str]
+    ) -> Callable[[], Awaitable[None]] | None:
+        """What a call held for a person sends while it waits (the gate calls it when the wait
+        begins and every `approval_keepalive_s`): the first beat makes the answer an SSE stream
+        (with the session's id and the run's headers), each beat is a comment on it — bytes that
+        reset the agent's read timeout — and, when the request asked for progress
+        (`params._meta.progressToken`), a `notifications/progress` whose text says what it waits
+        for. None when the answer cannot be a stream: a batch, or an agent that takes only JSON."""
+        if not isinstance(reply, LiveReply) or not reply.accepts_events():
+            return None
+        token = meta.get("progressToken")
+        if isinstance(token, bool) or not isinstance(token, (str, int)):
+            token = None
+        session = headers.get("Mcp-Session-Id")
+        beats = 0
+
+        async def beat() -> None:
+            nonlocal beats
+            beats += 1
+            approval = call.attributes.get("approval.id", "")
+            waiting = f"waiting for a person's approval ({approval})"
+            if not reply.opened:
+                opened = {**({"Mcp-Session-Id": session} if session else {}), **call.answer_headers()}
+                await reply.open_events(rid, opened)
+            await reply.comment(f"runcap: {waiting}")
+            if token is not None:
+                progress = {"progressToken": token, "progress": beats, "message": f"runcap: {waiting}"}
+                note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": progress}
+                await reply.message(note, {})
+
+        return beat
 
     async def _claim(self, server: MCPServerConfig, tool: str, limit: int, run: RunRequest) -> None:
         """One of the tool's `max_calls_per_run`, counted atomically in the ledger as the tool
@@ -283,7 +323,8 @@ class MCPToolCalls:
         if call.key is not None:
             headers["Idempotency-Key"] = call.key
         headers.update(limits.headers())
-        call.request_hash = self.recorder.payload(body)
+        if not call.request_hash:
+            call.request_hash = self.recorder.payload(body)
         task = asyncio.current_task()
         assert task is not None
         executing = self.calls.executing(run.run_id, call.key)

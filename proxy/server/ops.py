@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -173,6 +174,9 @@ class OpsRoutes:
     span_store: ShipperClient | None = None
     recorder: SpanRecorder = field(default_factory=NullRecorder)
     metrics_guard: AdminGuard | None = None
+    # What else a cancel ends, once the run is marked and its calls cut (the approvals desk:
+    # the run's pending approvals are denied, each on the record).
+    on_cancel: Callable[[str], Awaitable[None]] | None = None
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/healthz", self.healthz)
@@ -255,9 +259,11 @@ class OpsRoutes:
             # request must win), and the answer says it was not known (a typo?).
             known = await self.ledger.get_run(run_id) is not None
             state = await self.ledger.cancel(run_id, time.time())
+            aborted = self.flights.cancel_run(run_id)
+            if self.on_cancel is not None:
+                await self.on_cancel(run_id)
         except LedgerUnavailable as rej:
-            return rej.response("openai")  # not cancelled: retry (x-should-retry: true)
-        aborted = self.flights.cancel_run(run_id)
+            return rej.response("openai")  # not (all) done: retry (x-should-retry: true)
         assert state is not None
         if known:  # the run's row says cancelled now, not at its next call
             self.recorder.run(run_snapshot(state))

@@ -121,7 +121,8 @@ class ApprovalRoutes:
         except Rejection as rej:
             return rej.response("openai")
         args = await self._args([a.request_hash for a in found])
-        return _json({"approvals": [approval_json(a, tenant, args.get(a.request_hash)) for a in found]})
+        rows = [approval_json(a, tenant, call_arguments(a, args.get(a.request_hash))) for a in found]
+        return _json({"approvals": rows})
 
     async def decide(self, request: web.Request) -> web.Response:
         try:
@@ -204,6 +205,16 @@ def _not_found(approval_id: str) -> NotFound:
     return NotFound(
         f"no approval {approval_id[:64]!r} (see `runcap approvals --all`)", param="approval_id"
     )
+
+
+def call_arguments(approval: Approval, body: Any) -> Any:
+    """The arguments a person approves, from the call's kept body (as sent to the tool): a `/tools`
+    call's body is its arguments; an MCP call's is its `tools/call` request, whose
+    `params.arguments` they are."""
+    if approval.tool.startswith("mcp:") and isinstance(body, dict):
+        params = body.get("params")
+        return params.get("arguments") if isinstance(params, dict) else None
+    return body
 
 
 def approval_json(a: Approval, tenant: str | None, args: Any) -> dict[str, Any]:

@@ -11,9 +11,11 @@ approved, goes through the idempotency record as every call does: sent again, it
   this process, within `POLL_S` by one made on another replica (a read of one ledger key per held
   call) — or until it expires (`approval_ttl_s`, or the run's deadline: 504), or the run is
   cancelled (410; a cancel also denies the run's pending approvals in the ledger, which is how a
-  cancel on another replica reaches a held call). While it waits, `keepalive` (when the gateway
-  can send one: an SSE comment) is called every `KEEPALIVE_S`. `/tools` sends nothing while it
-  waits: its answer is one HTTP response whose status is the decision's, so no byte can go first.
+  cancel on another replica reaches a held call). `keepalive`, when the gateway can send one
+  (MCP to an agent that takes SSE: the answer becomes an event stream at once, then a comment —
+  and `notifications/progress` when asked for — on it), is called when the wait begins and every
+  `approval_keepalive_s` while it lasts. `/tools` sends nothing while it waits: its answer is one
+  HTTP response whose status is the decision's, so no byte can go first.
 * `defer`: 428 `approval_required` at once, with `error.approval_id` and `Retry-After`
   (`approval_retry_after_s`); the same call sent again after approval executes (once), after a
   denial gets 403 `tool_call_denied`.
@@ -63,14 +65,13 @@ from proxy.toolcall.webhook import ApprovalWebhook
 log = logging.getLogger("runcap.approvals")
 
 POLL_S = 0.25  # how soon a decision made on another replica reaches a held call
-KEEPALIVE_S = 15.0  # between two keep-alives of a held call
 # (span event, state) → the `runcap_approvals_total` event it counts as (each approval once per outcome)
 _COUNTED = {
     ("requested", PENDING): "requested",
     ("decided", APPROVED): "approved",
     ("decided", DENIED): "denied",
     ("refused", "expired"): "expired",
-    ("refused", "cancelled"): "cancelled",
+    ("decided", "cancelled"): "cancelled",  # the cancel's denial, once, held or deferred
 }
 
 
@@ -120,14 +121,13 @@ class ApprovalDesk:
         tenants: bool = False,
         metrics: Metrics | None = None,
         poll_s: float = POLL_S,
-        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self.ledger = ledger
         self.settings = settings
         self.recorder = recorder
         self.tenants = tenants
         self.poll_s = poll_s
-        self.keepalive_s = keepalive_s
+        self.keepalive_s = settings.approval_keepalive_s
         self.metrics = metrics
         failed = metrics.approval_webhook_failures.inc if metrics is not None else None
         self.webhook = ApprovalWebhook(
@@ -218,6 +218,9 @@ class ApprovalDesk:
         event = self._decided.setdefault(approval.id, asyncio.Event())
         next_beat = time.monotonic() + self.keepalive_s
         try:
+            if keepalive is not None and approval.state == PENDING:
+                await keepalive()  # the wait begins: the agent hears of it now, not a beat later
+                next_beat = time.monotonic() + self.keepalive_s
             while approval.state == PENDING:
                 now = time.time()
                 if deadline is not None and now >= deadline:
@@ -282,11 +285,22 @@ class ApprovalDesk:
         approval = await self.ledger.decide_approval(approval_id, approve, by, reason, time.time())
         if approval is None:
             return None
+        self._wake(approval_id)
+        self._record(approval, None, "decided", "")
+        return approval
+
+    async def run_cancelled(self, run_id: str) -> None:
+        """The run was cancelled (`POST /runs/{id}/cancel`): its pending approvals are denied (by
+        `runcap: run cancelled`), each denial an `approval` span — a deferred one as much as one
+        a call waits on — and a call held here woken."""
+        for approval in await self.ledger.deny_pending_approvals(run_id, time.time()):
+            self._wake(approval.id)
+            self._record(approval, None, "decided", "")
+
+    def _wake(self, approval_id: str) -> None:
         event = self._decided.pop(approval_id, None)
         if event is not None:
             event.set()
-        self._record(approval, None, "decided", "")
-        return approval
 
     # -- the record --------------------------------------------------------------------------------
 

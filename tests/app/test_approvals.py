@@ -448,6 +448,29 @@ async def test_mcp_call_held_then_approved_executes_once(kind, servers, runcap_f
     assert ran(big) + ran(other) == 1
 
 
+async def test_the_operator_sees_the_arguments_of_a_held_mcp_call(servers, runcap_factory) -> None:  # type: ignore[no-untyped-def]
+    """The call's body is kept before the rules hold it: `GET /approvals` (what `runcap approvals`
+    prints) has its `params.arguments`, not only their hash."""
+    server = servers("stateless-json")
+    rc = await runcap_factory(
+        mcp_config(server, tools={"refund": {"rules": [LARGE]}}, payloads="all", tracing=True)
+    )
+    run, order = rid("args"), rid("o")
+    args = {"order_id": order, "amount": 500, "currency": "EUR"}
+    async with mcp_session(f"{rc.url}/mcp/crm", run) as agent, aiohttp.ClientSession() as s:
+        held = asyncio.create_task(agent.call_tool("refund", args))
+        [row] = await until_pending(s, rc.url, rc.admin, run)
+        for _ in range(200):  # the shipper stores the body in the background
+            if row["args"] is not None:
+                break
+            await asyncio.sleep(0.05)
+            [row] = await listed(s, rc.url, rc.admin, run=run)
+        assert row["args"] == args
+        assert (await decide(s, rc.url, rc.admin, row["id"], decision="approve"))[0] == 200
+        assert not (await asyncio.wait_for(held, 10)).is_error
+    assert len([e for e in server.stats()["executions"] if e["args"].get("order_id") == order]) == 1
+
+
 async def test_a_deferred_call_fixes_its_runs_deadline_and_a_cancelled_run_asks_nobody(  # type: ignore[no-untyped-def]
     runcap_factory, tool
 ) -> None:
@@ -467,3 +490,33 @@ async def test_a_deferred_call_fixes_its_runs_deadline_and_a_cancelled_run_asks_
         status, _, body = await call(f"{rc.url}/tools/refund", cancelled, big)
         assert status == 410 and body["error"]["type"] == "run_cancelled"
         assert await listed(s, rc.url, rc.admin, run=cancelled, state="all") == []
+
+
+async def test_a_cancel_that_denies_a_deferred_approval_is_a_span(runcap_factory, tool) -> None:  # type: ignore[no-untyped-def]
+    """No call waits on it (defer), yet the cancel's denial is on the record: an `approval` span
+    `decided` by `runcap: run cancelled` — once, however often the run is cancelled."""
+    rc = await runcap_factory({**refund_with(tool, mode="defer"), "tracing": True})
+    run = f"run-{secrets.token_hex(4)}"
+    status, _, body = await call(f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500})
+    assert status == 428
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(f"{rc.url}/runs/{run}/cancel", headers=rc.admin) as r:
+                assert r.status == 200
+        [after] = await listed(s, rc.url, rc.admin, run=run, state="all")
+    assert after["state"] == "denied" and after["by"] == "runcap: run cancelled"
+    decided = (
+        "SELECT attributes['approval.id'] AS id, attributes['approval.state'] AS state, "
+        "attributes['approval.by'] AS by FROM runcap.spans "
+        f"WHERE kind = 'approval' AND run_id = '{run}' AND attributes['approval.event'] = 'decided'"
+    )
+    # A refused call after the cancels: its span is behind theirs in the WAL, so once it is in
+    # the store every span the cancels wrote is too.
+    status, _, _ = await call(f"{rc.url}/tools/refund", run, {"order_id": "o-1", "amount": 500})
+    assert status == 410
+    marker = f"SELECT 1 FROM runcap.spans WHERE kind = 'tool' AND run_id = '{run}' AND status_code = 410"
+    assert len(await wait_rows(rc, marker, 1)) == 1
+    rows = await sql(rc, decided)
+    assert [(r["id"], r["state"], r["by"]) for r in rows] == [
+        (body["error"]["approval_id"], "denied", "runcap: run cancelled")
+    ]

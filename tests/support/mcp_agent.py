@@ -58,14 +58,18 @@ def mcp_config(server: MCPServerProcess, **extra: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def session(url: str, run_id: str | None, **kwargs: Any) -> AsyncIterator[ClientSession]:
+async def session(
+    url: str, run_id: str | None, *, read_timeout_s: float = 60, **kwargs: Any
+) -> AsyncIterator[ClientSession]:
     """The agent: the SDK's ClientSession over its Streamable HTTP client, the run's headers on
-    the transport (and a credential of its own, which runcap must not pass on)."""
+    the transport (and a credential of its own, which runcap must not pass on). `read_timeout_s`
+    is the HTTP client's read timeout: the longest silence it takes on an answer's stream."""
     headers = {"Authorization": "Bearer agent-own-secret", **kwargs.pop("headers", {})}
     if run_id is not None:
         headers["X-Run-Id"] = run_id
+    timeout = httpx2.Timeout(30, read=read_timeout_s)
     async with (
-        httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=60)) as http,
+        httpx2.AsyncClient(headers=headers, timeout=timeout) as http,
         streamable_http_client(url, http_client=http) as (read, write),
         ClientSession(read, write, **kwargs) as s,
     ):

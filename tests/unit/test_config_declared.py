@@ -136,6 +136,14 @@ def test_a_message_names_where_the_value_came_from() -> None:
     assert (config.listen_host, config.listen_port) == ("0.0.0.0", 2)
 
 
+def test_a_bound_is_the_number_as_written() -> None:
+    """A fractional bound (`≥ 0.1`) admits exactly that number: compared as the decimal written,
+    not as the binary float just above it."""
+    config = build_config({"approvals": {"approval_keepalive_s": 0.1}}, {})
+    assert config.approvals.approval_keepalive_s == 0.1
+    assert build_config({}, {}).approvals.approval_keepalive_s == 15.0
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
@@ -146,6 +154,14 @@ def test_a_message_names_where_the_value_came_from() -> None:
         ({"header_timeout_s": 86401}, "header_timeout_s: expected a number of seconds > 0 and ≤ 86400"),
         ({"ledger_retention_s": 0.5}, "ledger_retention_s: expected a number of seconds ≥ 1, got 0.5"),
         ({"tracing": "yes"}, "tracing: expected true or false, got 'yes'"),
+        (
+            {"approvals": {"approval_keepalive_s": 0.09}},
+            "approvals.approval_keepalive_s: expected a number of seconds ≥ 0.1 and ≤ 3600, got 0.09",
+        ),
+        (
+            {"approvals": {"approval_keepalive_s": 3601}},
+            "approvals.approval_keepalive_s: expected a number of seconds ≥ 0.1 and ≤ 3600, got 3601",
+        ),
         ({"wal_fsync": "never"}, "wal_fsync: expected one of interval, always, got 'never'"),
         (
             {"caps": {"max_upstream_failures": 1001}},

@@ -340,7 +340,6 @@ class RedisLedger(base.Ledger):
 
     async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         state = await self._update(run_id, now, cancel=True)
-        await self._approvals.deny_pending(run_id, now)  # a cancel denies what waits for a person
         await publish_cancel(self._r, self.cancel_channel, run_id, self.owner, sharded=self.cluster)
         return state
 

@@ -77,12 +77,17 @@ async def test_expiry_then_a_new_request(make_ledger):  # type: ignore[no-untype
 
 
 async def test_cancel_denies_pending_only(make_ledger):  # type: ignore[no-untyped-def]
+    """What a cancel does to a run's approvals (the approvals desk calls it after `cancel`): the
+    pending ones are denied, each returned once — a second cancel finds none to deny again."""
     led = make_ledger()
     held, _ = await led.open_approval(ask())
     done, _ = await led.open_approval(ask(key="k2"))
     elsewhere, _ = await led.open_approval(ask(run_id="r2"))
     await led.decide_approval(done.id, True, "alice", "", time.time())
     await led.cancel("r", time.time())
+    denied = await led.deny_pending_approvals("r", time.time())
+    assert [(a.id, a.state, a.by) for a in denied] == [(held.id, DENIED, CANCELLED_BY)]
+    assert await led.deny_pending_approvals("r", time.time()) == []
     got = await led.get_approval(held.id, time.time())
     assert got is not None and got.state == DENIED and got.by == CANCELLED_BY
     kept = await led.get_approval(done.id, time.time())
