@@ -7,7 +7,8 @@ one sub-agent of each tree sets it one way, the other the other way:
 * OpenAI Agents SDK: a triage agent that hands off to a specialist (`handoffs`), and an
   orchestrator that calls two sub-agents as tools (`Agent.as_tool`);
 * LangGraph: a parent graph whose planner node is the parent run and whose compiled subgraph
-  node (a ReAct agent on langchain-anthropic) is the child run.
+  node (a ReAct agent on langchain-anthropic) is the child run;
+* Pydantic AI: agent delegation, a tool of the parent agent that runs another agent.
 
 For each tree, checked against runcap's own records and the scripted upstream's:
 
@@ -18,8 +19,11 @@ For each tree, checked against runcap's own records and the scripted upstream's:
 * the parent's cap holds: with a dollar cap on the parent only (children uncapped), children that
   never stop calling their tool are ended by the parent's cap — the tree's settled spend is at
   most the cap and is exactly what the upstream billed, the refused call never reached the
-  upstream, the framework raises the SDK's own error type (402 `run_budget_exceeded`, `error.run`
-  the parent) and runcap was asked that call once (no retry).
+  upstream, the framework raises the SDK's own error type (402 `run_budget_exceeded`, naming the
+  parent; `error.run` in the OpenAI shape) and runcap was asked that call once (no retry).
+
+The README's "Sub-agents with the OpenAI Agents SDK / LangGraph / Pydantic AI" says what each
+framework needs from the host; this module is its evidence.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import anthropic
 import openai
+import pydantic_ai  # its tools' annotations are resolved in this module's namespace
 import pytest
 
 from proxy.money import usd_to_nanos
@@ -53,12 +58,10 @@ ANTHROPIC_MODEL = "claude-sonnet-4-5"
 QUESTION = "Refund order A1."
 ANSWER = "Refunded A1."
 DOC = "order A1: " + "d" * 2000  # each lookup adds ~2 KB to the child's next request
-# Parent caps a handful of the children's calls reach (each child call resends its growing
-# history); the children have no cap of their own.
-PARENT_CAP = {OPENAI_MODEL: "0.005", ANTHROPIC_MODEL: "0.10"}
 MAX_TURNS = 40  # the framework's own loop limit, far above what the cap allows: the cap ends the loop
 
 LOOKUP = {"name": "lookup", "arguments": {"query": "A1"}}
+DELEGATE = {"name": "delegate", "arguments": {"query": "refund A1"}}
 LOOPS = [{"tool_calls": [LOOKUP]}]  # a child that never stops looking up: only a cap ends it
 
 
@@ -238,7 +241,54 @@ async def langgraph_subgraph(
     return str(out["messages"][-1].content)
 
 
+async def pydantic_ai_delegation(
+    stack: Stack,
+    parent: str,
+    children: tuple[str, ...],
+    *,
+    cap: str | None,
+    child_steps: list[dict[str, Any]],
+) -> str:
+    """Pydantic AI's agent delegation: a support agent (headers) whose `delegate` tool runs a
+    billing agent (path form) and returns its output."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    (child,) = children
+    url, headers = header_form(stack, parent, "", [{"tool_calls": [DELEGATE]}, {"text": ANSWER}])
+    if cap is not None:
+        headers["X-Run-Max-Usd"] = cap
+    clients = [openai_client(url, headers), openai_client(*path_form(stack, child, parent, child_steps))]
+    support, billing = (
+        Agent(OpenAIChatModel(OPENAI_MODEL, provider=OpenAIProvider(openai_client=c)), instructions=text)
+        for c, text in zip(clients, ("Delegate refunds to billing.", "Refund the order."), strict=True)
+    )
+    billing.tool_plain(lookup)
+
+    @support.tool
+    async def delegate(ctx: pydantic_ai.RunContext[None], query: str) -> str:
+        """Hand a refund to the billing agent (its usage counted in the support agent's)."""
+        return (await billing.run(query, usage=ctx.usage)).output
+
+    try:
+        return (await support.run(QUESTION)).output
+    finally:
+        for c in clients:
+            await c.close()
+
+
 # --------------------------------------------------------------------------- the trees
+
+
+def _pydantic_ai_error() -> type[BaseException]:
+    """Pydantic AI raises a 402 as its ModelHTTPError that is also a ModelQuotaExceededError (one
+    class made for the pair: both `except`s catch it)."""
+    from pydantic_ai.exceptions import ModelHTTPError, ModelQuotaExceededError
+
+    return type(
+        ModelHTTPError.for_category(ModelQuotaExceededError, status_code=402, model_name=OPENAI_MODEL)
+    )
 
 
 def _agents_user_error() -> type[BaseException]:
@@ -252,10 +302,12 @@ class Tree:
     name: str
     drive: Callable[..., Awaitable[str]]
     children: int
-    # turns of the parent's a child's first request carries (a handoff passes the triage's
-    # turn on): the scripted model plays the step after that many assistant turns
+    # The parent's assistant turns in a child's first request (a handoff passes the triage's
+    # on): the scripted model plays the step after that many turns.
     inherited_turns: int
-    cap: str  # the parent's dollar cap in the cap test
+    # The parent's dollar cap in the cap test: a handful of its children's calls, each resending
+    # the child's growing history (a few times what one child call may reserve, for siblings).
+    cap: str
     # The exception the framework raises at the parent's cap (exactly this type), and how to
     # reach the provider's error in it.
     error: Callable[[], type[BaseException]]
@@ -275,6 +327,7 @@ TREES = [
     Tree("agents-handoff", agents_handoff, 1, 1, "0.005", lambda: openai.APIStatusError),
     Tree("agents-as-tools", agents_as_tools, 2, 0, "0.02", _agents_user_error, wrapped=True),
     Tree("langgraph-subgraph", langgraph_subgraph, 1, 0, "0.10", lambda: anthropic.PaymentRequiredError),
+    Tree("pydantic-ai-delegation", pydantic_ai_delegation, 1, 0, "0.005", _pydantic_ai_error, wrapped=True),
 ]
 
 
