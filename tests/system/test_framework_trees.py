@@ -29,10 +29,11 @@ framework needs from the host; this module is its evidence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -99,11 +100,45 @@ def path_form(
     return f"{stack.url}/r/{run_id}/p/{parent}/v1", {"X-Mock-Script": run_id}
 
 
+def parent_form(
+    stack: Stack, run_id: str, steps: list[dict[str, Any]], cap: str | None
+) -> tuple[str, dict[str, str]]:
+    """The parent agent's: its run in headers, with the tree's dollar cap when given."""
+    url, headers = header_form(stack, run_id, "", steps)
+    if cap is not None:
+        headers["X-Run-Max-Usd"] = cap
+    return url, headers
+
+
 def openai_client(base_url: str, headers: dict[str, str]) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key="sk-test", default_headers=headers)
 
 
+@contextlib.asynccontextmanager
+async def closing(*clients: openai.AsyncOpenAI) -> AsyncIterator[tuple[openai.AsyncOpenAI, ...]]:
+    """The agents' clients, closed after the run."""
+    try:
+        yield clients
+    finally:
+        for c in clients:
+            await c.close()
+
+
 # --------------------------------------------------------------------------- the frameworks
+#
+# Each driver runs its tree once and returns the final answer, or raises the framework's error.
+
+
+@dataclass(frozen=True)
+class TreeRun:
+    """One run of a tree: the parent's run id and its children's, the parent's dollar cap (None:
+    no cap) and the children's script."""
+
+    stack: Stack
+    parent: str
+    children: tuple[str, ...]
+    cap: str | None
+    child_steps: list[dict[str, Any]]
 
 
 def agents_model(client: openai.AsyncOpenAI) -> Any:
@@ -112,51 +147,38 @@ def agents_model(client: openai.AsyncOpenAI) -> Any:
     return OpenAIResponsesModel(model=OPENAI_MODEL, openai_client=client)
 
 
-async def agents_handoff(
-    stack: Stack,
-    parent: str,
-    children: tuple[str, ...],
-    *,
-    cap: str | None,
-    child_steps: list[dict[str, Any]],
-) -> str:
+async def agents_handoff(run: TreeRun) -> str:
     """Triage (headers) hands off to a billing specialist (path form)."""
-    (child,) = children
     from agents import Agent, Runner, function_tool, set_tracing_disabled
 
+    (child,) = run.children
     set_tracing_disabled(True)  # the SDK's own traces would go to OpenAI
     triage_steps = [
         {"text": "Passing you to billing.", "tool_calls": [{"name": "transfer_to_billing", "arguments": {}}]}
     ]
-    url, headers = header_form(stack, parent, "", triage_steps)
-    if cap is not None:
-        headers["X-Run-Max-Usd"] = cap
-    clients = [openai_client(url, headers), openai_client(*path_form(stack, child, parent, child_steps))]
-    specialist = Agent(
-        name="billing",
-        instructions="Refund the order.",
-        tools=[function_tool(lookup)],
-        model=agents_model(clients[1]),
+    url, headers = parent_form(run.stack, run.parent, triage_steps, run.cap)
+    clients = (
+        openai_client(url, headers),
+        openai_client(*path_form(run.stack, child, run.parent, run.child_steps)),
     )
-    triage = Agent(
-        name="triage", instructions="Route to billing.", handoffs=[specialist], model=agents_model(clients[0])
-    )
-    try:
+    async with closing(*clients) as (triage_client, billing_client):
+        specialist = Agent(
+            name="billing",
+            instructions="Refund the order.",
+            tools=[function_tool(lookup)],
+            model=agents_model(billing_client),
+        )
+        triage = Agent(
+            name="triage",
+            instructions="Route to billing.",
+            handoffs=[specialist],
+            model=agents_model(triage_client),
+        )
         result = await Runner.run(triage, QUESTION, max_turns=MAX_TURNS)
-        return str(result.final_output)
-    finally:
-        for c in clients:
-            await c.close()
+    return str(result.final_output)
 
 
-async def agents_as_tools(
-    stack: Stack,
-    parent: str,
-    children: tuple[str, ...],
-    *,
-    cap: str | None,
-    child_steps: list[dict[str, Any]],
-) -> str:
+async def agents_as_tools(run: TreeRun) -> str:
     """An orchestrator (headers) calls a researcher (headers) and a writer (path form) as tools, in
     one turn. `failure_error_function=None`: a sub-agent's error is raised, not handed to the
     orchestrator's model as the tool's text (the SDK's default)."""
@@ -167,58 +189,50 @@ async def agents_as_tools(
         {"name": "research", "arguments": {"input": "A1"}},
         {"name": "write", "arguments": {"input": "A1"}},
     ]
-    url, headers = header_form(stack, parent, "", [{"tool_calls": calls}, {"text": ANSWER}])
-    if cap is not None:
-        headers["X-Run-Max-Usd"] = cap
-    clients = [
+    url, headers = parent_form(run.stack, run.parent, [{"tool_calls": calls}, {"text": ANSWER}], run.cap)
+    clients = (
         openai_client(url, headers),
-        openai_client(*header_form(stack, children[0], parent, child_steps)),
-        openai_client(*path_form(stack, children[1], parent, child_steps)),
-    ]
-    researcher, writer = (
-        Agent(name=name, instructions="Do your part.", tools=[function_tool(lookup)], model=agents_model(c))
-        for name, c in zip(("researcher", "writer"), clients[1:], strict=True)
+        openai_client(*header_form(run.stack, run.children[0], run.parent, run.child_steps)),
+        openai_client(*path_form(run.stack, run.children[1], run.parent, run.child_steps)),
     )
-    orchestrator = Agent(
-        name="orchestrator",
-        instructions="Research, then write.",
-        tools=[
-            researcher.as_tool(
-                "research", "Research an order.", max_turns=MAX_TURNS, failure_error_function=None
-            ),
-            writer.as_tool("write", "Write the answer.", max_turns=MAX_TURNS, failure_error_function=None),
-        ],
-        model=agents_model(clients[0]),
-    )
-    try:
+    async with closing(*clients) as (orchestrator_client, *child_clients):
+        researcher, writer = (
+            Agent(
+                name=name, instructions="Do your part.", tools=[function_tool(lookup)], model=agents_model(c)
+            )
+            for name, c in zip(("researcher", "writer"), child_clients, strict=True)
+        )
+        orchestrator = Agent(
+            name="orchestrator",
+            instructions="Research, then write.",
+            tools=[
+                researcher.as_tool(
+                    "research", "Research an order.", max_turns=MAX_TURNS, failure_error_function=None
+                ),
+                writer.as_tool(
+                    "write", "Write the answer.", max_turns=MAX_TURNS, failure_error_function=None
+                ),
+            ],
+            model=agents_model(orchestrator_client),
+        )
         result = await Runner.run(orchestrator, QUESTION, max_turns=MAX_TURNS)
-        return str(result.final_output)
-    finally:
-        for c in clients:
-            await c.close()
+    return str(result.final_output)
 
 
-async def langgraph_subgraph(
-    stack: Stack,
-    parent: str,
-    children: tuple[str, ...],
-    *,
-    cap: str | None,
-    child_steps: list[dict[str, Any]],
-) -> str:
+async def langgraph_subgraph(run: TreeRun) -> str:
     """A parent graph: a planner node on ChatOpenAI (the parent run, headers), then a compiled
     ReAct subgraph on ChatAnthropic (the child run, path form) sharing the messages."""
-    (child,) = children
     from langchain_anthropic import ChatAnthropic
     from langchain_openai import ChatOpenAI
     from langgraph.graph import END, START, MessagesState, StateGraph
     from langgraph.prebuilt import create_react_agent
 
-    url, headers = header_form(stack, parent, "", [{"text": "Plan: look A1 up, then refund it."}])
-    if cap is not None:
-        headers["X-Run-Max-Usd"] = cap
+    (child,) = run.children
+    url, headers = parent_form(
+        run.stack, run.parent, [{"text": "Plan: look A1 up, then refund it."}], run.cap
+    )
     planner = ChatOpenAI(model=OPENAI_MODEL, base_url=url, api_key="sk-test", default_headers=headers)  # type: ignore[arg-type]
-    child_url, child_headers = path_form(stack, child, parent, child_steps)
+    child_url, child_headers = path_form(run.stack, child, run.parent, run.child_steps)
     worker = ChatAnthropic(
         model=ANTHROPIC_MODEL,
         base_url=child_url.removesuffix("/v1"),
@@ -241,41 +255,32 @@ async def langgraph_subgraph(
     return str(out["messages"][-1].content)
 
 
-async def pydantic_ai_delegation(
-    stack: Stack,
-    parent: str,
-    children: tuple[str, ...],
-    *,
-    cap: str | None,
-    child_steps: list[dict[str, Any]],
-) -> str:
+async def pydantic_ai_delegation(run: TreeRun) -> str:
     """Pydantic AI's agent delegation: a support agent (headers) whose `delegate` tool runs a
     billing agent (path form) and returns its output."""
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    (child,) = children
-    url, headers = header_form(stack, parent, "", [{"tool_calls": [DELEGATE]}, {"text": ANSWER}])
-    if cap is not None:
-        headers["X-Run-Max-Usd"] = cap
-    clients = [openai_client(url, headers), openai_client(*path_form(stack, child, parent, child_steps))]
-    support, billing = (
-        Agent(OpenAIChatModel(OPENAI_MODEL, provider=OpenAIProvider(openai_client=c)), instructions=text)
-        for c, text in zip(clients, ("Delegate refunds to billing.", "Refund the order."), strict=True)
+    (child,) = run.children
+    url, headers = parent_form(run.stack, run.parent, [{"tool_calls": [DELEGATE]}, {"text": ANSWER}], run.cap)
+    clients = (
+        openai_client(url, headers),
+        openai_client(*path_form(run.stack, child, run.parent, run.child_steps)),
     )
-    billing.tool_plain(lookup)
+    async with closing(*clients):
+        support, billing = (
+            Agent(OpenAIChatModel(OPENAI_MODEL, provider=OpenAIProvider(openai_client=c)), instructions=text)
+            for c, text in zip(clients, ("Delegate refunds to billing.", "Refund the order."), strict=True)
+        )
+        billing.tool_plain(lookup)
 
-    @support.tool
-    async def delegate(ctx: pydantic_ai.RunContext[None], query: str) -> str:
-        """Hand a refund to the billing agent (its usage counted in the support agent's)."""
-        return (await billing.run(query, usage=ctx.usage)).output
+        @support.tool
+        async def delegate(ctx: pydantic_ai.RunContext[None], query: str) -> str:
+            """Hand a refund to the billing agent (its usage counted in the support agent's)."""
+            return (await billing.run(query, usage=ctx.usage)).output
 
-    try:
         return (await support.run(QUESTION)).output
-    finally:
-        for c in clients:
-            await c.close()
 
 
 # --------------------------------------------------------------------------- the trees
@@ -300,7 +305,7 @@ def _agents_user_error() -> type[BaseException]:
 @dataclass(frozen=True)
 class Tree:
     name: str
-    drive: Callable[..., Awaitable[str]]
+    drive: Callable[[TreeRun], Awaitable[str]]
     children: int
     # The parent's assistant turns in a child's first request (a handoff passes the triage's
     # on): the scripted model plays the step after that many turns.
@@ -387,9 +392,11 @@ async def run_rows(stack: Stack, root: str, ledger: dict[str, dict[str, Any]]) -
     return {run: (parent, root_id) for run, (parent, root_id, _) in got.items()}
 
 
-async def span_trees(stack: Stack, root: str, model_calls: dict[str, int]) -> dict[str, tuple[str, str, int]]:
+async def span_trees(
+    stack: Stack, root: str, model_calls: Callable[[], dict[str, int]]
+) -> dict[str, tuple[str, str, int]]:
     """Per run of the tree: the parent and root its model spans carry (each one value) and how
-    many of them runcap refused for a cap — once each run has `model_calls` model spans."""
+    many of them runcap refused for a cap — once each run has `model_calls()` model spans."""
     query = (
         "SELECT run_id, groupUniqArray(parent_run_id), groupUniqArray(root_run_id), count(), "
         "countIf(outcome = 'budget_exceeded') FROM runcap.spans "
@@ -401,7 +408,7 @@ async def span_trees(stack: Stack, root: str, model_calls: dict[str, int]) -> di
         return {run: (parents, roots, int(n), int(refused)) for run, parents, roots, n, refused in got}
 
     got = await poll(
-        f"model spans of tree {root}", rows, lambda got: {r: v[2] for r, v in got.items()} == model_calls
+        f"model spans of tree {root}", rows, lambda got: {r: v[2] for r, v in got.items()} == model_calls()
     )
     return {run: (*parents, *roots, refused) for run, (parents, roots, _, refused) in got.items()}
 
@@ -410,6 +417,14 @@ async def assert_recorded(stack: Stack, parent: str, children: tuple[str, ...]) 
     """The tree `parent` → `children` as the ledger, the spans and `runcap.runs` show it; each
     run's spend what the upstream billed for its calls. Returns the ledger's states."""
     runs = (parent, *children)
+    statuses = {r: (await stack.settled(r))["status"] for r in runs}
+    # a model span for every call of every run that reached the upstream, and for each refusal
+    # (a call the framework gave up on in flight still ends — and is billed — at runcap: its span
+    # is the sign it did)
+    refused = {r: int(r != parent and statuses[r].endswith("budget_exceeded")) for r in runs}
+    spans = await span_trees(stack, parent, lambda: {r: len(stack.calls(r)) + refused[r] for r in runs})
+    assert spans == {parent: ("", parent, 0)} | {c: (parent, parent, refused[c]) for c in children}
+
     ledger = {r: await stack.settled(r) for r in runs}
     root = ledger[parent]
     assert root["parent"] is None and root["root"] == parent and root["ancestors"] == []
@@ -420,11 +435,6 @@ async def assert_recorded(stack: Stack, parent: str, children: tuple[str, ...]) 
         assert usd_to_nanos(Decimal(ledger[r]["cost_usd"])) == billed_nanos(stack.calls(r)), r
     assert Decimal(root["subtree"]["cost_usd"]) == sum(Decimal(s["cost_usd"]) for s in ledger.values())
     assert Decimal(root["subtree"]["reserved_usd"]) == 0
-
-    # a model span for every call of every run that reached the upstream, and for each refusal
-    refused = {r: int(ledger[r]["status"].endswith("budget_exceeded") and r != parent) for r in runs}
-    spans = await span_trees(stack, parent, {r: len(stack.calls(r)) + refused[r] for r in runs})
-    assert spans == {parent: ("", parent, 0)} | {c: (parent, parent, refused[c]) for c in children}
     # the newest runcap.runs row of each run: the same tree, the same spend
     assert await run_rows(stack, parent, ledger) == {parent: ("", parent)} | {
         c: (parent, parent) for c in children
@@ -467,7 +477,7 @@ async def assert_cli_tree(stack: Stack, parent: str, ledger: dict[str, dict[str,
 async def test_the_tree_is_recorded(stack: Stack, tree: Tree) -> None:
     parent, children = tree.ids("done")
     steps = looks_up_once(tree.inherited_turns)
-    answer = await tree.drive(stack, parent, children, cap=None, child_steps=steps)
+    answer = await tree.drive(TreeRun(stack, parent, children, None, steps))
     assert ANSWER in answer
     ledger = await assert_recorded(stack, parent, children)
     # (a handoff's triage run ends on its handoff call: to runcap it stays active)
@@ -483,7 +493,7 @@ async def test_the_parents_cap_holds_while_children_loop(stack: Stack, tree: Tre
     cap = Decimal(tree.cap)
     error_type = tree.error()
     with pytest.raises(error_type) as info:
-        await tree.drive(stack, parent, children, cap=tree.cap, child_steps=LOOPS)
+        await tree.drive(TreeRun(stack, parent, children, tree.cap, LOOPS))
     assert type(info.value) is error_type, repr(info.value)
     refusal = tree.provider_error(info.value)
     assert refusal.status_code == 402 and refusal.response.headers["x-should-retry"] == "false"
@@ -494,9 +504,9 @@ async def test_the_parents_cap_holds_while_children_loop(stack: Stack, tree: Tre
     assert "X-Run-Max-Usd" in error["message"] and f"its ancestor {parent}'s cap" in error["message"]
     [stopped] = [c for c in children if f"run {c} is bounded" in error["message"]]
 
+    ledger = await assert_recorded(stack, parent, children)  # one refusal span per stopped child
     calls = [c for r in (parent, *children) for c in stack.calls(r)]
     assert all(c.status == 200 for c in calls)  # the refused calls never reached the upstream
-    ledger = await assert_recorded(stack, parent, children)  # one refusal span per stopped child
     spent = Decimal(ledger[parent]["subtree"]["cost_usd"])
     assert usd_to_nanos(spent) == billed_nanos(calls) and spent <= cap  # what the upstream billed
     assert ledger[parent]["status"] == "budget_exceeded"
