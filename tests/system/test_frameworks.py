@@ -12,10 +12,10 @@ B2, answer) — against runcap, whose upstream is the scripted model. For each o
   a 100 KB document, and the call that would send it back cannot fit the cap — refused with 402
   `max_usd`, the upstream reached once (the first step) and runcap asked once (no retry).
 
-One scripted upstream and one traced runcap serve the whole module, on an event loop of their own
-in a background thread, so that the frameworks' sync and async clients alike can call them (and
-embedded chdb allows one traced app per process at a time). Each run has a script of its own,
-named after the run, so that the upstream's records of a run can be told apart.
+One scripted upstream and one traced runcap serve the whole module (`tests.support.framework_stack`:
+on an event loop of their own in a background thread); each run has a script of its own, named
+after the run, so that the upstream's records of a run can be told apart. Run trees driven by the
+frameworks that have sub-agents: tests/system/test_framework_trees.py.
 
 The Vercel AI SDK runs in node (`tests/node/`, installed by `scripts/setup.sh`).
 """
@@ -27,26 +27,21 @@ import contextlib
 import json
 import os
 import shutil
-import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import aiohttp
 import anthropic
 import openai
 import pytest
-from aiohttp import web
 
-from proxy.app import RUNTIME, build_app
 from proxy.money import usd_to_nanos
 from proxy.pricing import PriceBook
-from proxy.scripted_upstream import FALLBACK_TEXT, ScriptedUpstream
-from tests.conftest import FAST_SPANS, REPO, runcap_config
+from proxy.scripted_upstream import FALLBACK_TEXT
+from tests.conftest import REPO
+from tests.support.framework_stack import Stack
 from tests.support.parts import missing
 
 # One event loop for the module: some clients (langchain-openai's, LiteLLM's) cache their HTTP
@@ -97,97 +92,6 @@ def lookup(query: str) -> str:
 
 
 # --------------------------------------------------------------------------- the servers
-
-
-class Stack:
-    """The scripted upstream and a traced runcap, serving from a background thread's loop."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="framework-stack", daemon=True)
-        self.upstream = ScriptedUpstream()
-        self.url = ""
-        self.admin: dict[str, str] = {}
-        self._runner: web.AppRunner | None = None
-
-    def _call(self, coro: Awaitable[Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)  # type: ignore[arg-type]
-
-    def start(self) -> Stack:
-        self.thread.start()
-        self._call(self._start())
-        return self
-
-    async def _start(self) -> None:
-        url = await self.upstream.start()
-        app = build_app(runcap_config(url, self.data_dir, {"tracing": True}), span_options=FAST_SPANS)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        self.admin = {"Authorization": f"Bearer {app[RUNTIME].config.admin_token}"}
-
-    def stop(self) -> None:
-        async def stop() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-            await self.upstream.stop()
-
-        try:
-            self._call(stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
-
-    def script(self, run_id: str, steps: list[dict[str, Any]]) -> dict[str, str]:
-        """Give the run a script of its own; the headers that select it."""
-        self.upstream.scripts[run_id] = list(steps)
-        return {"X-Run-Id": run_id, "X-Run-Task": "framework-test", "X-Mock-Script": run_id}
-
-    def calls(self, run_id: str) -> list[Any]:
-        """The upstream's records of the run's requests."""
-        return [r for r in list(self.upstream.requests) if r.script == run_id]
-
-    async def run(self, run_id: str) -> dict[str, Any]:
-        async with (
-            aiohttp.ClientSession() as s,
-            s.get(f"{self.url}/runs/{run_id}", headers=self.admin) as r,
-        ):
-            assert r.status == 200, await r.text()
-            return await r.json()
-
-    async def settled(self, run_id: str) -> dict[str, Any]:
-        """The run once nothing is reserved (a stream settles after its last byte is relayed)."""
-        for _ in range(200):
-            state = await self.run(run_id)
-            if Decimal(state["reserved_usd"]) == 0:
-                return state
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"run {run_id} never settled: {state}")
-
-    async def spans(self, run_id: str, want: dict[str, int]) -> dict[str, int]:
-        """Span counts by kind (model spans by outcome), once the shipper wrote `want` (20 s at most)."""
-        query = (
-            "SELECT if(kind = 'model', concat('model:', outcome), kind) AS k, count() AS n "
-            "FROM runcap.spans WHERE run_id = {run:String} GROUP BY k"
-        )
-        deadline = time.monotonic() + 20
-        while True:
-            async with (
-                aiohttp.ClientSession() as s,
-                s.post(
-                    f"{self.url}/admin/sql",
-                    json={"sql": query, "params": {"run": run_id}},
-                    headers=self.admin,
-                ) as r,
-            ):
-                assert r.status == 200, await r.text()
-                body = await r.json()
-            got = {k: int(n) for k, n in body["rows"]}
-            if all(got.get(k, 0) >= n for k, n in want.items()) or time.monotonic() > deadline:
-                return got
-            await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
