@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import run_subprocess
-from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, cpu_s, free_port, start, stop_all
+from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, cpu_s, free_port, process_rss_mb, start, stop_all
 from bench.span_bench import shipper_pid, start_clickhouse_fixture, wait_shipped
 
 README = ROOT / "bench" / "README.md"
@@ -70,16 +70,6 @@ class Column:
     data_dir: Path | None = None  # runcap's: the shipper is found and waited for through it
     shipper: int | None = None
     samples: list[dict[str, Any]] = field(default_factory=list)
-
-
-def process_rss_mb(pid: int) -> float:
-    """RSS of one process (Linux /proc), in MB; 0 once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return 0.0
-    rss = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), "0")
-    return round(int(rss) / 1024, 1)
 
 
 def tree_rss_mb(pid: int) -> float:
