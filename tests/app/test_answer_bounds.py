@@ -24,6 +24,7 @@ from aiohttp import web
 
 from proxy.scripted_upstream import ScriptedUpstream
 from tests.support.context_agents import answered_history
+from tests.support.local_app import serve_local
 
 LIMIT = 4096
 BIG = "word " * 2000  # 10 000 bytes of text: the answer's body is over LIMIT
@@ -135,12 +136,8 @@ async def test_a_compressed_answer_is_bounded_by_what_it_decodes_to(
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, url = await serve_local(app)
     try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         rc = await runcap_factory({"max_answer_bytes": LIMIT, "upstreams": {"openai": {"url": url}}})
         async with aiohttp.ClientSession() as s:
             body = {"model": "gpt-4o-mini", "messages": USER, "max_tokens": 5000}
