@@ -23,6 +23,12 @@ from /proc over the requests answered, and separately the shipper process's once
 them), open loop at `--rate` req/s (added p50 / p99 over direct, each round paired with that
 round's direct run), and the same open loop streaming (time to the first body byte, p50).
 `--rounds` rounds (≥ 3 for the README), the paths in reverse order every other round; medians.
+Each round ends with read-only MCP `tools/call`s (`lookup`, bench/mcp_bench.py's open loop,
+`--mcp-rate` calls/s per path, alternating between the paths) to the test suite's MCP server
+(`tests.support.mcp_server`, stateless, JSON answers): directly, through each floor relay (a relay
+of its own in front of that server) and through runcap's `/mcp/crm` (every call with `X-Run-Id`
+and `X-Run-Max-Tool-Calls`, so it is counted in the ledger: the "capped" column has no MCP figure
+of its own); added p50 / p99 against the same loop's direct calls.
 After the load: RSS of each server's process tree (proxy + shipper) and of the proxy alone.
 
 Ratios, as the issue states its targets: runcap's own CPU per request over the floor's,
@@ -38,6 +44,7 @@ Every load is bounded in time, every wait has a timeout; servers listen on 127.0
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -51,7 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import run_subprocess
-from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, cpu_s, free_port, start, stop_all
+from bench.mcp_bench import open_loop
+from bench.proxy_bench import BODY, CAP_HEADERS, ROOT, cpu_s, free_port, process_rss_mb, start, stop_all
 from bench.span_bench import shipper_pid, start_clickhouse_fixture, wait_shipped
 
 README = ROOT / "bench" / "README.md"
@@ -69,17 +77,8 @@ class Column:
     headers: dict[str, str] = field(default_factory=dict)
     data_dir: Path | None = None  # runcap's: the shipper is found and waited for through it
     shipper: int | None = None
+    mcp_url: str = ""  # its MCP endpoint in front of the test suite's MCP server ("" for none)
     samples: list[dict[str, Any]] = field(default_factory=list)
-
-
-def process_rss_mb(pid: int) -> float:
-    """RSS of one process (Linux /proc), in MB; 0 once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return 0.0
-    rss = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), "0")
-    return round(int(rss) / 1024, 1)
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -147,8 +146,30 @@ def measure(
     return out
 
 
+def mcp_round(paths: list[Column], round_: int, rate: float, duration: float) -> None:
+    """One open loop of read-only MCP `tools/call`s (bench/mcp_bench.py's), its calls alternating
+    between the paths with an MCP endpoint (in reverse order every other round): `rate` calls per
+    second and path; added latency against the same loop's direct calls."""
+    with_mcp = [p for p in paths if p.mcp_url]
+    order = with_mcp if round_ % 2 == 0 else with_mcp[::-1]
+    run_id = f"perf-mcp-{round_}-{os.getpid()}"
+    got = asyncio.run(open_loop([p.mcp_url for p in order], "read-only", rate * len(order), duration, run_id))
+    by_name = {p.name: r for p, r in zip(order, got, strict=True)}
+    direct = by_name["direct"]
+    for p in with_mcp:
+        r = by_name[p.name]
+        sample: dict[str, Any] = {"p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "errors": r["errors"]}
+        if p.name != "direct" and None not in (r["p50_ms"], direct["p50_ms"]):
+            sample["added_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
+            sample["added_p99_ms"] = r["p99_ms"] - direct["p99_ms"]
+        p.samples[-1]["mcp"] = sample
+    print(
+        json.dumps({"round": round_ + 1, "mcp": {p.name: p.samples[-1]["mcp"] for p in with_mcp}}), flush=True
+    )
+
+
 def median_of(path: Column, load: str, key: str) -> float | None:
-    values = [s[load][key] for s in path.samples if key in s[load]]
+    values = [s[load][key] for s in path.samples if load in s and key in s[load]]
     return round(statistics.median(values), 3) if values else None
 
 
@@ -164,6 +185,8 @@ def summary(paths: list[Column]) -> dict[str, dict[str, float | None]]:
             "p50_ms": median_of(p, "open", "p50_ms"),
             "p99_ms": median_of(p, "open", "p99_ms"),
             "ttfb_p50_ms": median_of(p, "stream", "ttfb_p50_ms"),
+            "mcp_added_p50_ms": median_of(p, "mcp", "added_p50_ms"),
+            "mcp_added_p99_ms": median_of(p, "mcp", "added_p99_ms"),
             "errors": sum(s[load]["errors"] for s in p.samples for load in s),
         }
     return out
@@ -211,6 +234,15 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         (f"stream TTFB p50 @{result['rate']:g} req/s, ms", [fmt(s[n]["ttfb_p50_ms"]) for n in names]),
         (
+            f"MCP read-only tools/call: added p50 / p99 @{result.get('mcp_rate', 0):g} calls/s vs direct, ms",
+            [
+                "—"
+                if s[n].get("mcp_added_p50_ms") is None
+                else f"{signed(s[n]['mcp_added_p50_ms'])} / {signed(s[n]['mcp_added_p99_ms'])}"
+                for n in names
+            ],
+        ),
+        (
             "RSS after the load: process tree (serving process), MB",
             [
                 f"{fmt(mem[n]['tree_mb'], 0)} ({fmt(mem[n]['process_mb'], 0)})" if n in mem else "—"
@@ -250,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per load (default 10)")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument(
+        "--mcp-rate", type=float, default=50.0, help="MCP tools/call per second and path (default 50)"
+    )
     ap.add_argument("--json", help="also write everything (every sample) to this file")
     ap.add_argument("--no-write", action="store_true", help="print the table, leave bench/README.md alone")
     args = ap.parse_args(argv)
@@ -273,21 +308,22 @@ def main(argv: list[str] | None = None) -> int:
                 tmp / "upstream.log",
             )
         )
-        paths = [Column("direct", upstream, procs[0].pid)]
+        # The test suite's MCP server (stateless, JSON answers), for the MCP row: each floor relays
+        # to it too (a relay of its own), each runcap has it as [mcp.crm].
+        mcp_port = free_port()
+        mcp_direct = f"http://127.0.0.1:{mcp_port}/mcp"
+        mcp_server = [sys.executable, "-m", "tests.support.mcp_server", "--port", str(mcp_port)]
+        procs.append(start([*mcp_server, "--stateless", "--json"], mcp_port, "MCP server", tmp / "mcp.log"))
+        paths = [Column("direct", upstream, procs[0].pid, mcp_url=mcp_direct)]
         for name, flags in (("floor", []), ("tuned floor", ["--tuned"])):
-            port = free_port()
-            argv = [
-                sys.executable,
-                "-m",
-                "bench.relay_floor",
-                "--port",
-                str(port),
-                "--upstream",
-                upstream,
-                *flags,
-            ]
-            procs.append(start(argv, port, name, tmp / f"{name.replace(' ', '-')}.log"))
-            paths.append(Column(name, f"http://127.0.0.1:{port}", procs[-1].pid))
+            urls = {}
+            for what, target in (("", upstream), (" mcp", mcp_direct)):
+                port = free_port()
+                argv = [sys.executable, "-m", "bench.relay_floor", "--port", str(port), "--upstream", target]
+                log = tmp / f"{(name + what).replace(' ', '-')}.log"
+                procs.append(start([*argv, *flags], port, name + what, log))
+                urls[what] = f"http://127.0.0.1:{port}"
+            paths.append(Column(name, urls[""], procs[-2].pid, mcp_url=urls[" mcp"] + "/"))
         ch, ch_url = start_clickhouse_fixture(tmp / "clickhouse")
         procs.insert(0, ch)  # stopped last
         s3.client().create_bucket(Bucket="payloads")
@@ -299,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         servers: dict[str, tuple[int, int, Path]] = {}
         for name, extra, env in configs:
+            extra += f'[mcp.crm]\nurl = "{mcp_direct}"\n'
             proc, port = serve(tmp, name, runcap_config(tmp, name, upstream, extra), env)
             procs.append(proc)
             servers[name] = (proc.pid, port, tmp / f"data-{name}")
@@ -311,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             pid, port, data = servers[server]
             traced = server != "tracing-off"
             shipper = shipper_pid(data) if traced else None
-            paths.append(Column(label, f"http://127.0.0.1:{port}", pid, dict(headers), data, shipper))
+            url = f"http://127.0.0.1:{port}"
+            mcp = f"{url}/mcp/crm" if not headers else ""  # an MCP call through runcap is capped anyway
+            paths.append(Column(label, url, pid, dict(headers), data, shipper, mcp))
         for p in paths:  # warm up: pools, price book, SQLite pages, the stores' connections
             run_subprocess(f"{p.url}/v1/chat/completions", BODY, p.headers, concurrency=8, duration_s=1.0)
         for round_ in range(args.rounds):
@@ -325,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                     direct = sample
                 p.samples.append(sample)
                 print(json.dumps({"round": round_ + 1, "path": p.name, **sample}), flush=True)
+            mcp_round(paths, round_, args.mcp_rate, args.duration)
         memory: dict[str, dict[str, float]] = {}
         for p in paths:
             if p.data_dir is not None and p.shipper is not None:
@@ -344,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "duration": args.duration,
         "concurrency": args.concurrency,
         "rate": args.rate,
+        "mcp_rate": args.mcp_rate,
         "summary": s,
         "ratios": ratios(s),
         "memory": memory,

@@ -24,7 +24,7 @@ compares the two trees instead, side by side in the same minutes: one `runcap se
 (SQLite ledger; `--tracing on` for the span path too), closed loop c=64 and an open loop at
 `--rates`, once without run headers (nothing to enforce) and once with caps, `--rounds` rounds in
 which the two trees alternate who goes first; per run the proxy process's CPU per request (utime +
-stime from /proc) and the throughput, medians over the rounds.
+stime from /proc) and the throughput, medians over the rounds, and its RSS after each scenario.
 
     .venv/bin/python -m bench.proxy_bench --baseline /tmp/old [--tracing on] [--rounds 3] [--duration 8]
 """
@@ -246,6 +246,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def process_rss_mb(pid: int) -> float:
+    """RSS of one process (Linux /proc), in MB; 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0.0
+    rss = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), "0")
+    return round(int(rss) / 1024, 1)
+
+
 def compare_trees(args: argparse.Namespace) -> int:
     """This tree versus `args.baseline`, each its own `runcap serve` against one upstream."""
     tmp = Path(tempfile.mkdtemp(prefix="runcap-bench-"))
@@ -291,6 +301,7 @@ def compare_trees(args: argparse.Namespace) -> int:
                         for k in ("rate", "p50_ms", "p99_ms", "proxy_cpu_ms_per_req")
                     }
                     row[name]["rounds"] = [(run["rate"], run["proxy_cpu_ms_per_req"]) for run in runs]
+                    row[name]["rss_mb"] = process_rss_mb(pids[name])  # the proxy alone, after the load
                 emit(results, row)
     finally:
         stop_all(procs)
@@ -298,13 +309,13 @@ def compare_trees(args: argparse.Namespace) -> int:
     print()
     head = f"scenario (tracing {args.tracing}, access log {args.access_log})"
     print(f"{head:<36} {'req/s this/base':>16} {'CPU ms/req this/base':>21}", end=" ")
-    print(f"{'p50 this/base':>14} {'p99 this/base':>14}")
+    print(f"{'p50 this/base':>14} {'p99 this/base':>14} {'RSS MB this/base':>17}")
     for r in results:
         t, b = r["this"], r["baseline"]
         print(
             f"{r['scenario']:<36} {t['rate']:>7.0f}/{b['rate']:<8.0f} {t['proxy_cpu_ms_per_req']:>10.3f}/"
             f"{b['proxy_cpu_ms_per_req']:<10.3f} {t['p50_ms']:>6.2f}/{b['p50_ms']:<7.2f} "
-            f"{t['p99_ms']:>6.2f}/{b['p99_ms']:<7.2f}"
+            f"{t['p99_ms']:>6.2f}/{b['p99_ms']:<7.2f} {t['rss_mb']:>8.1f}/{b['rss_mb']:<8.1f}"
         )
     return 0
 

@@ -221,19 +221,9 @@ def parse_run_headers(
             param="X-Run-Parent",
             code="parent_cycle",
         )
-    tree = {
-        name: _count(headers.get(header), header)
-        for name, header in (
-            ("max_depth", "X-Run-Max-Depth"),
-            ("max_children", "X-Run-Max-Children"),
-            ("max_tree_steps", "X-Run-Max-Tree-Steps"),
-            ("max_tree_tool_calls", "X-Run-Max-Tree-Tool-Calls"),
-        )
-    }
     tree_caps = {
-        name: _apply(value, getattr(config, f"default_{setting}"), getattr(config, f"ceiling_{setting}"))
-        for name, value in tree.items()
-        for setting in (_TREE_SETTING.get(name, name),)
+        name: _apply(_count(headers.get(header), header), getattr(config, default), getattr(config, ceiling))
+        for name, header, default, ceiling in _TREE_CAPS
     }
 
     has_time_header = deadline is not None or timeout_s is not None
@@ -290,8 +280,17 @@ def parse_run_headers(
     return RunRequest(run_id, generated, task, caps, operation_id, key, parent)
 
 
-# `[caps]` names of the tree caps where they differ from the RunCaps field.
-_TREE_SETTING = {"max_children": "max_fan_out"}
+# The tree caps: the RunCaps field, its header, and its `[caps]` default and ceiling (max_children
+# is `max_fan_out` there), spelled once rather than formatted on every request.
+_TREE_CAPS = tuple(
+    (name, header, f"default_{setting}", f"ceiling_{setting}")
+    for name, header, setting in (
+        ("max_depth", "X-Run-Max-Depth", "max_depth"),
+        ("max_children", "X-Run-Max-Children", "max_fan_out"),
+        ("max_tree_steps", "X-Run-Max-Tree-Steps", "max_tree_steps"),
+        ("max_tree_tool_calls", "X-Run-Max-Tree-Tool-Calls", "max_tree_tool_calls"),
+    )
+)
 
 
 def check_run_header_names(headers: Mapping[str, str]) -> None:

@@ -17,12 +17,11 @@ is one variable to the checker), which is what lets an unknown field be a config
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import cel_expr_python.cel as cel
 
 from proxy.config.declare import ConfigError
 
@@ -31,47 +30,47 @@ MODES = ("wait", "defer")
 RULE_KEYS = frozenset({"name", "when", "effect", "mode", "reason", "max_calls"})
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 
-_DYN_MAP = cel.Type.Map(cel.Type.STRING, cel.Type.DYN)
-# What a rule reads without asking the ledger (known from the request itself) ...
-REQUEST_VARIABLES: Mapping[str, Any] = {
-    "args": _DYN_MAP,
-    "tool.name": cel.Type.STRING,
-    "tool.server": cel.Type.STRING,
-    "run.id": cel.Type.STRING,
-    "run.task": cel.Type.STRING,
-    "run.tenant": cel.Type.STRING,
+# What a rule reads without asking the ledger (known from the request itself) ... (CEL types by
+# their `cel.Type` name; "MAP" is a map of string to dyn)
+REQUEST_VARIABLES: Mapping[str, str] = {
+    "args": "MAP",
+    "tool.name": "STRING",
+    "tool.server": "STRING",
+    "run.id": "STRING",
+    "run.task": "STRING",
+    "run.tenant": "STRING",
 }
 # ... and what needs the run's state from the ledger (one read, only for a tool whose rules use it).
-STATE_VARIABLES: Mapping[str, Any] = {
-    "run.spent_usd": cel.Type.DOUBLE,
-    "run.steps": cel.Type.INT,
-    "run.step": cel.Type.INT,
-    "run.tool_calls": cel.Type.INT,
+STATE_VARIABLES: Mapping[str, str] = {
+    "run.spent_usd": "DOUBLE",
+    "run.steps": "INT",
+    "run.step": "INT",
+    "run.tool_calls": "INT",
 }
-HTTP_VARIABLES: Mapping[str, Any] = {"method": cel.Type.STRING, "path": cel.Type.STRING}
+HTTP_VARIABLES: Mapping[str, str] = {"method": "STRING", "path": "STRING"}
 
 
-def _env(*tables: Mapping[str, Any]) -> Any:
-    variables: dict[str, Any] = {}
-    for table in tables:
-        variables.update(table)
-    return cel.NewEnv(variables=variables)
+@functools.cache
+def _cel() -> Any:
+    """cel-expr-python, imported when the first environment is built: a runcap with no tool rules
+    never loads cel-cpp and protobuf (~10 MB of RSS in the serving process, bench/README.md)."""
+    import cel_expr_python.cel as cel
+
+    return cel
 
 
-# One environment per kind of tool, built once: with and without the run's state (a rule that
-# compiles without it never needs the ledger read).
-_ENVS = {
-    (http, state): _env(
-        REQUEST_VARIABLES, *([HTTP_VARIABLES] if http else []), *([STATE_VARIABLES] if state else [])
-    )
-    for http in (True, False)
-    for state in (True, False)
-}
+def _type(cel: Any, name: str) -> Any:
+    return cel.Type.Map(cel.Type.STRING, cel.Type.DYN) if name == "MAP" else getattr(cel.Type, name)
 
 
+@functools.cache
 def environment(*, http: bool, state: bool = True) -> Any:
-    """The CEL environment rules are compiled in (`Env.Activation` builds a call's variables)."""
-    return _ENVS[(http, state)]
+    """The CEL environment rules are compiled in (`Env.Activation` builds a call's variables): one
+    per kind of tool, built once, with and without the run's state (a rule that compiles without
+    it never needs the ledger read)."""
+    cel = _cel()
+    tables = (REQUEST_VARIABLES, *([HTTP_VARIABLES] if http else []), *([STATE_VARIABLES] if state else []))
+    return cel.NewEnv(variables={name: _type(cel, t) for table in tables for name, t in table.items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +155,7 @@ def _compile(env: Any, when: str, name: str) -> Any:
     except RuntimeError as e:
         raise ConfigError(f"{name}: {_cel_message(str(e))}") from None
     returns = program.return_type()
-    if returns not in (cel.Type.BOOL, cel.Type.DYN):
+    if returns not in (_cel().Type.BOOL, _cel().Type.DYN):
         raise ConfigError(f"{name}: {when!r} is a {returns.name().lower()}, not a condition (true or false)")
     return program
 

@@ -210,6 +210,11 @@ async def read_bounded(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
     declared = upstream.content_length
     if declared is not None and declared > limit:
         raise ResponseTooLarge(declared)
+    if declared is not None and upstream.headers.get("Content-Encoding", "identity") == "identity":
+        # aiohttp's parser ends the body at its Content-Length: one read, bounded by it (no loop
+        # over chunks, no second copy). Not so for a compressed body: its Content-Length is the
+        # compressed size, and what it decodes to is counted chunk by chunk below.
+        return await upstream.read()
     data = bytearray()
     async for chunk in upstream.content.iter_any():
         data += chunk

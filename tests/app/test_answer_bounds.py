@@ -11,16 +11,20 @@ Driven with the official OpenAI client against runcap in front of the scripted u
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
+from aiohttp import web
 
 from proxy.scripted_upstream import ScriptedUpstream
 from tests.support.context_agents import answered_history
+from tests.support.local_app import serve_local
 
 LIMIT = 4096
 BIG = "word " * 2000  # 10 000 bytes of text: the answer's body is over LIMIT
@@ -101,3 +105,51 @@ async def test_runcaps_own_call_is_bounded_too(
     assert status == 502 and answer["error"]["code"] == "answer_too_large", answer
     run = await rc.run("inner-big")
     assert run["steps"] == 2, run  # both calls were answered upstream, and both are charged
+
+
+async def test_a_compressed_answer_is_bounded_by_what_it_decodes_to(
+    runcap_factory: Callable[..., Any],
+) -> None:
+    """A gzip answer's Content-Length is its compressed size: 10 000 bytes of text squeezed under
+    the bound still decode to more than it, and are cut while decoded (a small body that inflates
+    without end cannot fill runcap's memory); the same answer sent plain with a Content-Length
+    under the bound is read in one piece and relayed whole (the control)."""
+
+    def completion(text: str) -> bytes:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        return orjson.dumps({"id": "chatcmpl-gz", "object": "chat.completion", "model": "gpt-4o-mini",
+                             "choices": [choice], "usage": usage})  # fmt: skip
+
+    answer, small = completion(BIG), completion("word " * 100)
+    packed = gzip.compress(answer)
+    assert len(packed) < LIMIT < len(answer) and len(small) < LIMIT
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        if request.headers.get("X-Plain") == "1":
+            return web.Response(body=small, content_type="application/json")
+        return web.Response(
+            body=packed, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, url = await serve_local(app)
+    try:
+        rc = await runcap_factory({"max_answer_bytes": LIMIT, "upstreams": {"openai": {"url": url}}})
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "gpt-4o-mini", "messages": USER, "max_tokens": 5000}
+            async with s.post(
+                f"{rc.url}/v1/chat/completions", json=body, headers={"X-Run-Max-Usd": "1"}
+            ) as r:
+                status, error = r.status, (await r.json())["error"]
+            assert status == 502 and error["code"] == "answer_too_large", error
+            async with s.post(
+                f"{rc.url}/v1/chat/completions", json=body, headers={"X-Run-Max-Usd": "1", "X-Plain": "1"}
+            ) as r:
+                got = await r.read()  # relayed unchanged
+                assert r.status == 200 and got == small, (len(got), len(small), got[-80:])
+    finally:
+        await runner.cleanup()

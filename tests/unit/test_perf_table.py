@@ -66,3 +66,14 @@ def test_the_readme_is_rewritten_between_the_markers_only(tmp_path: Path) -> Non
     write_readme("| new |\n", readme)
     write_readme("| newer |\n", readme)
     assert readme.read_text() == f"before\n{BEGIN}\n| newer |\n{END}\nafter\n"
+
+
+def test_the_mcp_row_has_each_paths_added_latency_and_none_for_paths_without_mcp() -> None:
+    r = result(CPU)
+    for name, added in (("floor", 1.2), ("runcap default", 2.1)):
+        r["summary"][name] |= {"mcp_added_p50_ms": added, "mcp_added_p99_ms": added * 2}
+    r["mcp_rate"] = 50.0
+    row = next(line for line in markdown(r).splitlines() if line.startswith("| MCP"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "MCP read-only tools/call: added p50 / p99 @50 calls/s vs direct, ms"
+    assert cells[1:] == ["—", "+1.20 / +2.40", "—", "+2.10 / +4.20", "—", "—", "—"]

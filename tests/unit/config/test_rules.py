@@ -3,6 +3,9 @@ configuration is built, and each kind of bad rule is a `ConfigError` naming the 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +109,26 @@ def test_rules_for_a_tool_that_is_not_configured() -> None:
     assert error(mcp([rule()], deny=["refund"])).startswith(
         "mcp.crm.tools.refund.rules: tool 'refund' of MCP server 'crm' is denied (mcp.crm.deny)"
     )
+
+
+def test_cel_is_loaded_only_when_a_tool_has_rules(tmp_path: Path) -> None:
+    """cel-cpp and protobuf are ~10 MB of the serving process's RSS: an app built from a
+    configuration without rules does not import them, one with a rule does (bench/README.md)."""
+    probe = (
+        "import sys\n"
+        "from proxy.app import build_app\n"
+        "from proxy.config import build_config\n"
+        f"raw = {{'data_dir': {str(tmp_path)!r}, 'tracing': False}}\n"
+        "if sys.argv[1] == 'rules':\n"
+        "    raw['tools'] = {'refund': {'url': 'http://127.0.0.1:9/refund', 'rules': [\n"
+        "        {'name': 'r1', 'when': 'args.amount > 100', 'effect': 'deny'}]}}\n"
+        "build_app(build_config(raw, {}))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('cel_expr_python', 'google.protobuf')))[:1])\n"
+    )
+    seen = {
+        kind: subprocess.run(
+            [sys.executable, "-c", probe, kind], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.strip()
+        for kind in ("none", "rules")
+    }
+    assert seen == {"none": "[]", "rules": "['cel_expr_python']"}
