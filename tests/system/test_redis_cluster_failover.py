@@ -38,8 +38,9 @@ from proxy.caps import RunCaps
 from proxy.errors import BudgetExceeded
 from proxy.ledger.base import Reservation, RunState, Settlement
 from proxy.ledger.redis import RedisLedger
+from proxy.ledger.redis.cancels import publish_cancel
 from tests.support.ledgers import step
-from tests.support.redis_server import RedisClusterServers
+from tests.support.redis_server import RedisClusterServers, wait_subscribed
 
 PER_CALL = 300_000  # nano-dollars each step of tests.support.ledgers reserves (and is charged)
 CAP = 60 * PER_CALL
@@ -260,3 +261,53 @@ async def test_a_replica_behind_promoted_loses_what_the_master_alone_acknowledge
     assert books.errors == 0 and books.acknowledged == (10 + BEHIND) * PER_CALL
     assert lost == BEHIND * PER_CALL  # acknowledged, then gone with the master: spend under-counted
 
+
+# -- the cancel subscription across a failover -------------------------------------------------
+
+
+async def test_the_cancel_subscription_survives_its_node_turning_replica(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The master that owns the cancel channel's slot hands it to its replica (`CLUSTER FAILOVER`)
+    and tells its sharded subscribers `sunsubscribe`: the listener subscribes again on the new
+    owner — a cancel published after is delivered — and never spins (redis-py answers at once
+    when no node holds the subscription: that loop starved the event loop, the ticker below and
+    every bound of the test with it)."""
+    listening, sending = (
+        RedisLedger(cluster.url, prefix="cx:", cluster=True, op_timeout_s=2.0) for _ in range(2)
+    )
+    channel = listening.cancel_channel
+    master = cluster.master_of(channel)
+    replica = cluster.replicas_of(master)[0]
+    events = listening.cancel_events()
+    ticks = 0
+
+    async def ticker() -> None:  # runs only while the event loop is not starved
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.05)
+            ticks += 1
+
+    async def next_cancel() -> str:
+        return await anext(events)
+
+    tick = first = second = asyncio.create_task(ticker())
+    try:
+        first = asyncio.create_task(next_cancel())
+        await wait_subscribed(cluster.url, channel, 1, sharded=True)
+        await publish_cancel(sending._r, channel, "before", sending.owner, sharded=True)
+        assert await asyncio.wait_for(first, 10) == "before"
+        second = asyncio.create_task(next_cancel())
+        cluster.hand_over(replica)
+        await asyncio.to_thread(cluster.wait_promoted, replica)
+        await asyncio.to_thread(cluster.wait_ok)
+        before = ticks
+        await wait_subscribed(cluster.url, channel, 1, sharded=True, timeout=30)  # on the new owner
+        assert ticks > before  # the loop ran meanwhile
+        await publish_cancel(sending._r, channel, "after", sending.owner, sharded=True)
+        assert await asyncio.wait_for(second, 10) == "after"
+    finally:
+        for task in (tick, first, second):
+            task.cancel()
+        await asyncio.gather(tick, first, second, return_exceptions=True)
+        await events.aclose()  # type: ignore[attr-defined]
+        for led in (listening, sending):
+            await led.close()
