@@ -1,11 +1,12 @@
 """Run trees through the proxy (issue 22), with the official OpenAI client against the scripted
 upstream: one parent's dollar cap bounds its children's concurrent calls, the named 4xx of a bad
 parent, depth and fan-out, the path form, and a cancel of the parent cutting its children's calls
-in flight on two replicas sharing one Redis."""
+in flight on two replicas sharing one Redis (a single redis-server, and the session's Redis Cluster)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from decimal import Decimal
 from typing import Any
@@ -13,6 +14,9 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+
+from tests.support.redis_server import wait_subscribed
+from tests.support.tool_agent import wait_for
 
 USER = [{"role": "user", "content": "hi"}]
 FULL = "fills-its-limit"  # every answer uses all the output tokens the call may
@@ -136,13 +140,25 @@ async def test_a_tenant_cannot_name_another_tenants_run_as_parent(runcap_factory
     assert await rc.ledger.get_run("globex:kid") is None
 
 
+HOLD_S = 20  # the upstream's hold of a call: an answer before it is a cut, after it a 200
+
+
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
 async def test_cancel_of_the_parent_cuts_its_childrens_calls_on_every_replica(  # type: ignore[no-untyped-def]
-    runcap_factory, upstream, redis_server, tmp_path
+    runcap_factory, upstream, tmp_path, caplog, request, backend
 ):
-    upstream.scripts[HANG] = [{"text": "never", "delay_s": 300}]
-    config = {"tracing": False, "redis_url": redis_server.url}
+    """Three children's calls held by the upstream, on two replicas; the parent cancelled through
+    one: every call is answered 410 while the upstream still holds it (an uncut call would be
+    answered 200 after `HOLD_S`), the other replica's by the pub/sub push (sharded on the
+    cluster) — at once, not by the 1 s poll that backs the push up — and later calls of any
+    descendant are refused, naming the cancelled ancestor."""
+    upstream.scripts[HANG] = [{"text": "too late", "delay_s": HOLD_S}]
+    cluster = backend == "redis-cluster"
+    server = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    config = {"tracing": False, "redis_url": server.url, "redis_cluster": cluster}
     a = await runcap_factory(config, data_dir=tmp_path / "a")
     b = await runcap_factory(config, data_dir=tmp_path / "b")
+    await wait_subscribed(server.url, b.ledger.backend.cancel_channel, 2, sharded=cluster)  # both listen
     p = f"plan-{secrets.token_hex(3)}"
     await agent(a.openai_url, {"X-Run-Id": p}).chat.completions.create(model="gpt-4o-mini", messages=USER)
     kids = [(f"{p}.a", a), (f"{p}.b1", b), (f"{p}.b2", b)]
@@ -156,14 +172,15 @@ async def test_cancel_of_the_parent_cuts_its_childrens_calls_on_every_replica(  
         return 200
 
     calls = [asyncio.create_task(hung(child, rc)) for child, rc in kids]
-    while upstream.in_flight < 3:  # every child's call is at the upstream
-        await asyncio.sleep(0.01)
-    async with aiohttp.ClientSession() as s, s.post(f"{a.url}/runs/{p}/cancel", headers=a.admin) as r:
-        assert r.status == 200, await r.text()
-    # Every call in flight is cut, on both replicas (the timeout only turns a hang into a failure).
-    assert await asyncio.wait_for(asyncio.gather(*calls), 60) == [410, 410, 410]
-    while upstream.in_flight:  # the upstream saw each disconnect
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: upstream.in_flight == 3, 30)  # every child's call is at the upstream
+    with caplog.at_level(logging.INFO, logger="runcap.cancel"):
+        async with aiohttp.ClientSession() as s, s.post(f"{a.url}/runs/{p}/cancel", headers=a.admin) as r:
+            assert r.status == 200, await r.text()
+        # Every call in flight is cut, on both replicas, before the upstream's hold ends.
+        assert await asyncio.gather(*calls) == [410, 410, 410]
+    via = [m.getMessage() for m in caplog.records if m.name == "runcap.cancel" and p in m.getMessage()]
+    assert via and all('"via": "pubsub"' in m for m in via), via  # b learnt it by the push
+    await wait_for(lambda: upstream.in_flight == 0, 30)  # the upstream saw each disconnect
     # Later calls of any descendant are refused, naming the cancelled ancestor.
     for child, rc in [*kids, (f"{p}.b1", a)]:
         with pytest.raises(openai.APIStatusError) as e:

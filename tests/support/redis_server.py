@@ -7,8 +7,8 @@ SIGCONT) and `start` it again on the same port and directory, reloading what it 
 
 `RedisClusterServers`: a Redis Cluster of real processes on loopback — 3 masters with 1 replica
 each (6 `redis-server --cluster-enabled yes`), created with `redis-cli --cluster create`, waited
-on until every node says `cluster_state:ok` and every replica is in sync; `kill9_master_of(key)`
-and `wait_promoted` for failover tests.
+on until every node says `cluster_state:ok` and every replica is in sync; `master_of(key)`,
+`kill9`, `hand_over` (a manual failover) and `wait_promoted` for failover tests.
 """
 
 from __future__ import annotations
@@ -212,6 +212,12 @@ class RedisClusterServers:
             [self.cli, "-p", str(master.port), "client", "kill", "type", "replica"],
             check=True, capture_output=True, timeout=10,
         )  # fmt: skip
+
+    def hand_over(self, replica: RedisServer) -> None:
+        """`CLUSTER FAILOVER` on `replica`: its master hands it the slots (no node dies); wait
+        with `wait_promoted`."""
+        command = [self.cli, "-p", str(replica.port), "cluster", "failover"]
+        subprocess.run(command, check=True, capture_output=True, timeout=10)
 
     def wait_promoted(self, replica: RedisServer, timeout: float = 30.0) -> None:
         """Until `replica` is a master and the cluster is ok again (the dead master's slots served)."""

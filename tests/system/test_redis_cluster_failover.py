@@ -14,6 +14,13 @@ cluster promotes its replica.
 The load is bounded in calls; calls that fail while the slot has no (replicated) master wait for
 the cluster to be whole again (a signal: `wait_promoted`, then `wait_ok`), and their
 reservations left in doubt are released after, as the guarded ledger's pending writes would.
+
+Liveness: every phase has a bound of its own (`LOAD_BOUND_S`, `FAILOVER_BOUND_S`, `CLEANUP_BOUND_S`)
+and nothing blocks the event loop, so a bound that runs out fails the test with what it saw
+instead of hanging it: the node's kill and restart run in a thread, and a call retried after the
+failover is paced (`RETRY_PAUSE_S`) and bounded in tries (`RETRIES`). Before, a retry whose ledger
+call failed at once (no I/O) and whose `await promoted.wait()` returned at once (already set) never
+yielded: the loop spun, no `wait_for` could fire, and the test hung past pytest-timeout.
 """
 
 from __future__ import annotations
@@ -29,16 +36,24 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from proxy.caps import RunCaps
 from proxy.errors import BudgetExceeded
-from proxy.ledger.base import Reservation, Settlement
+from proxy.ledger.base import Reservation, RunState, Settlement
 from proxy.ledger.redis import RedisLedger
+from proxy.ledger.redis.cancels import publish_cancel
 from tests.support.ledgers import step
-from tests.support.redis_server import RedisClusterServers
+from tests.support.redis_server import RedisClusterServers, wait_subscribed
 
 PER_CALL = 300_000  # nano-dollars each step of tests.support.ledgers reserves (and is charged)
 CAP = 60 * PER_CALL
 WORKERS = 8
 CALLS_PER_WORKER = 12  # 96 calls in all, beyond the cap's 60: the cap is reached
 KILL_AFTER = 20  # acknowledged reservations before the master dies
+# Liveness bounds only (a failover's detection and the restarted node's sync take longer on a
+# loaded machine): what the tests judge is the books.
+LOAD_BOUND_S = 300  # the workers' calls, failover included
+FAILOVER_BOUND_S = 120  # kill, promotion, restart, the cluster whole again
+CLEANUP_BOUND_S = 60  # in-doubt reservations released, the run read, the ledgers closed
+RETRIES = 300  # tries of one call after the failover (then: fail, naming the last error)
+RETRY_PAUSE_S = 0.05  # between two of those tries: the loop runs, the cluster client refreshes
 
 
 @pytest.fixture
@@ -82,26 +97,33 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
 
     async def failover() -> None:
         await killed.wait()
-        cluster.kill9(master)
+        await asyncio.to_thread(cluster.kill9, master)  # (blocking calls: off the event loop)
         await asyncio.to_thread(cluster.wait_promoted, replica)
         # The promoted master has no replica left: with `redis_wait_replicas = 1` every write is
         # refused until one rejoins — the dead master, restarted empty, syncs as its replica.
-        master.start()
+        await asyncio.to_thread(master.start)
         await asyncio.to_thread(cluster.wait_ok)
         promoted.set()
 
+    async def after_failover(e: Exception, tries: int) -> None:
+        """A ledger error: only once the master is dead; wait for the cluster to be whole, then
+        pace the next try (a try that fails at once must not spin the event loop)."""
+        assert killed.is_set(), f"a ledger error before the failover: {e!r}"
+        assert tries < RETRIES, f"still failing after {RETRIES} tries since the failover: {e!r}"
+        await promoted.wait()
+        await asyncio.sleep(RETRY_PAUSE_S)
+
     async def settle(led: RedisLedger, res: Reservation) -> None:
         nonlocal acknowledged
-        while True:  # a settlement is retried until taken, as the guarded ledger's pending writes
+        for tries in range(RETRIES + 1):  # retried until taken, as the guarded ledger's pending writes
             try:
                 await led.settle(
                     res, Settlement(input_tokens=100, output_tokens=100, cost_usd_nanos=PER_CALL), time.time()
                 )
                 acknowledged += PER_CALL
                 return
-            except (RedisError, RedisClusterException, OSError):
-                assert killed.is_set(), "a ledger error before the failover"
-                await promoted.wait()
+            except (RedisError, RedisClusterException, OSError) as e:
+                await after_failover(e, tries)
 
     async def worker(led: RedisLedger) -> None:
         nonlocal errors, reserved_ok
@@ -110,34 +132,37 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
                 res = await led.begin_step(step(run_id, caps))
             except BudgetExceeded:
                 return
-            except (RedisError, RedisClusterException, OSError):
+            except (RedisError, RedisClusterException, OSError) as e:
                 errors += 1
-                assert killed.is_set(), "a ledger error before the failover"
-                await promoted.wait()
+                await after_failover(e, 0)
                 continue
             reserved_ok += 1
             if reserved_ok == KILL_AFTER:
                 killed.set()
             await settle(led, res)
 
+    async def books() -> RunState | None:
+        for led in leds:  # reservations whose answer was lost: released (a no-answer settlement)
+            for item in led.drain_in_doubt():
+                if isinstance(item, Reservation):
+                    in_doubt.append((led, item))
+        for led, res in in_doubt:
+            try:
+                await led.release_reservation(res)
+            except KeyError:
+                pass  # the run itself was lost
+        return await leds[0].get_run(run_id)
+
     task = asyncio.create_task(failover())
-    # Liveness bounds only (a failover's detection and the restarted node's sync take longer on
-    # a loaded machine): what the test judges is the books, below.
-    await asyncio.wait_for(asyncio.gather(*(worker(leds[i % 2]) for i in range(WORKERS))), 300)
-    killed.set()
-    await asyncio.wait_for(task, 120)
-    for led in leds:  # reservations whose answer was lost: released (a no-answer settlement)
-        for item in led.drain_in_doubt():
-            if isinstance(item, Reservation):
-                in_doubt.append((led, item))
-    for led, res in in_doubt:
-        try:
-            await led.release_reservation(res)
-        except KeyError:
-            pass  # the run itself was lost
-    state = await leds[0].get_run(run_id)
-    for led in leds:
-        await led.close()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(worker(leds[i % 2]) for i in range(WORKERS))), LOAD_BOUND_S)
+        killed.set()
+        await asyncio.wait_for(task, FAILOVER_BOUND_S)
+        state = await asyncio.wait_for(books(), CLEANUP_BOUND_S)
+    finally:
+        task.cancel()
+        closing = asyncio.gather(*(led.close() for led in leds), return_exceptions=True)
+        await asyncio.wait_for(closing, CLEANUP_BOUND_S)
     assert state is not None
     return Books(acknowledged, state.spent_usd_nanos, state.reserved_usd_nanos, errors)
 
@@ -235,3 +260,54 @@ async def test_a_replica_behind_promoted_loses_what_the_master_alone_acknowledge
     print(f"replica behind, redis_wait_replicas=0: {books}; settlements lost: {lost // PER_CALL} calls")
     assert books.errors == 0 and books.acknowledged == (10 + BEHIND) * PER_CALL
     assert lost == BEHIND * PER_CALL  # acknowledged, then gone with the master: spend under-counted
+
+
+# -- the cancel subscription across a failover -------------------------------------------------
+
+
+async def test_the_cancel_subscription_survives_its_node_turning_replica(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The master that owns the cancel channel's slot hands it to its replica (`CLUSTER FAILOVER`)
+    and tells its sharded subscribers `sunsubscribe`: the listener subscribes again on the new
+    owner — a cancel published after is delivered — and never spins (redis-py answers at once
+    when no node holds the subscription: that loop starved the event loop, the ticker below and
+    every bound of the test with it)."""
+    listening, sending = (
+        RedisLedger(cluster.url, prefix="cx:", cluster=True, op_timeout_s=2.0) for _ in range(2)
+    )
+    channel = listening.cancel_channel
+    master = cluster.master_of(channel)
+    replica = cluster.replicas_of(master)[0]
+    events = listening.cancel_events()
+    ticks = 0
+
+    async def ticker() -> None:  # runs only while the event loop is not starved
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.05)
+            ticks += 1
+
+    async def next_cancel() -> str:
+        return await anext(events)
+
+    tick = first = second = asyncio.create_task(ticker())
+    try:
+        first = asyncio.create_task(next_cancel())
+        await wait_subscribed(cluster.url, channel, 1, sharded=True)
+        await publish_cancel(sending._r, channel, "before", sending.owner, sharded=True)
+        assert await asyncio.wait_for(first, 10) == "before"
+        second = asyncio.create_task(next_cancel())
+        cluster.hand_over(replica)
+        await asyncio.to_thread(cluster.wait_promoted, replica)
+        await asyncio.to_thread(cluster.wait_ok)
+        before = ticks
+        await wait_subscribed(cluster.url, channel, 1, sharded=True, timeout=30)  # on the new owner
+        assert ticks > before  # the loop ran meanwhile
+        await publish_cancel(sending._r, channel, "after", sending.owner, sharded=True)
+        assert await asyncio.wait_for(second, 10) == "after"
+    finally:
+        for task in (tick, first, second):
+            task.cancel()
+        await asyncio.gather(tick, first, second, return_exceptions=True)
+        await events.aclose()  # type: ignore[attr-defined]
+        for led in (listening, sending):
+            await led.close()

@@ -1,7 +1,11 @@
-"""A run tree across two runcap processes sharing one redis-server, one killed -9 mid-run (issue
-22): the parent's $0.50 cap bounds its six children's calls on both replicas — in the ledger and
-in what the upstream actually billed — the dead replica's reservations are settled by the live
-one's sweep, and the books close (the parent's subtree totals are its children's spend)."""
+"""A run tree across two runcap processes sharing one Redis, one killed -9 mid-run (issue 22): the
+parent's $0.50 cap bounds its six children's calls on both replicas — in the ledger and in what the
+upstream actually billed — the dead replica's reservations are settled by the live one's sweep,
+and the books close (the parent's subtree totals are its children's spend).
+
+Run on a single redis-server and on the session's 3-master Redis Cluster (`redis_cluster = true`:
+the tree's state and both replicas' reservations share one slot, the sweep finds the dead
+replica's trees through its per-owner tag index)."""
 
 from __future__ import annotations
 
@@ -11,13 +15,14 @@ from decimal import Decimal
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from proxy.config import build_config
 from proxy.money import usd_to_nanos
 from proxy.pricing import PriceBook
 from proxy.scripted_upstream import ScriptedUpstream
 from tests.conftest import RuncapProcess
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisClusterServers, RedisServer
 from tests.system.test_ledger_faults import CLIENT_TIMEOUT, get_json, wait_until
 
 MODEL = "tree-model"
@@ -25,11 +30,12 @@ PRICES = {"prices": {MODEL: {"input_mtok": 1.0, "output_mtok": 20.0}}}
 CAP = Decimal("0.50")
 
 
-def replica_config(tmp: Path, server: RedisServer, upstream: ScriptedUpstream) -> Path:
+def replica_config(tmp: Path, server: RedisServer | RedisClusterServers, upstream: ScriptedUpstream) -> Path:
     path = tmp / "runcap.toml"
     path.write_text(
         "log_requests = false\ntracing = false\n"
         f'redis_url = "{server.url}"\n'
+        f"redis_cluster = {'true' if isinstance(server, RedisClusterServers) else 'false'}\n"
         "redis_heartbeat_s = 0.5\nredis_heartbeat_ttl_s = 2.0\nledger_sweep_interval_s = 1.0\n"
         f'[upstreams.openai]\nurl = "{upstream.url}"\n'
         f'[prices."{MODEL}"]\ninput_mtok = 1.0\noutput_mtok = 20.0\n'
@@ -48,8 +54,14 @@ def billed(upstream: ScriptedUpstream, tree: str) -> Decimal:
     return Decimal(nanos) / 10**9
 
 
+@pytest.fixture(params=["redis", "redis-cluster"])
+def shared_redis(request) -> RedisServer | RedisClusterServers:  # type: ignore[no-untyped-def]
+    """The session's redis-server, or its Redis Cluster (no node is killed here: shared)."""
+    return request.getfixturevalue("redis_cluster" if request.param == "redis-cluster" else "redis_server")
+
+
 async def test_a_tree_across_two_replicas_one_killed_never_overshoots(  # type: ignore[no-untyped-def]
-    upstream, redis_server, tmp_path
+    upstream, shared_redis, tmp_path
 ):
     # ~$0.002 a call (100 output tokens): the cap lasts several rounds of the 48 clients' calls,
     # each slow enough that B has calls in flight when it dies.
@@ -58,7 +70,7 @@ async def test_a_tree_across_two_replicas_one_killed_never_overshoots(  # type: 
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         procs.append(
-            RuncapProcess(replica_config(tmp_path / name, redis_server, upstream), tmp_path / name / "data")
+            RuncapProcess(replica_config(tmp_path / name, shared_redis, upstream), tmp_path / name / "data")
         )
     a, b = procs
     p = f"plan-{secrets.token_hex(3)}"

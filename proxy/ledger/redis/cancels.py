@@ -3,10 +3,13 @@ every replica's subscriber yields the run ids cancelled elsewhere, and aborts it
 
 On a Redis Cluster the channel is a sharded one (`SPUBLISH` / `SSUBSCRIBE`, Redis >= 7): it lives
 on the master that owns its slot (and that master's replicas), each replica subscribes there, and
-after a failover or a slot move the subscription is made again on the new owner (a lost
-connection re-subscribes; redis-py's cluster pub/sub follows a moved slot). A single Redis keeps
-classic pub/sub, which works on any version. A cancel missed while a subscriber reconnects is
-caught by the caller's slow poll of the cancel flags.
+after a failover or a slot move the subscription is made again on the new owner, from a fresh map
+of the slots: a lost connection, the old owner's `sunsubscribe` (a master turned replica drops its
+sharded subscribers; redis-py's cluster pub/sub stayed on it, deaf, before), or no node left
+holding the subscription (redis-py then answers at once: the listener would spin without yielding
+and starve the event loop) all re-subscribe. A single Redis keeps classic pub/sub, which works on
+any version. A cancel missed while a subscriber reconnects is caught by the caller's slow poll of
+the cancel flags.
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ async def cancel_events(
     """Run ids cancelled through other ledger instances than `owner`, as they are published
     (reconnects with backoff; a cancel missed while disconnected is caught by the caller's slow
     poll)."""
-    backoff = 0.1
+    backoff, lost = 0.1, False
     while True:
         pubsub: Any = None
         try:
             if isinstance(r, RedisCluster):
-                await r.initialize()  # the map of slots: the channel's owner (no-op once known)
+                # The map of slots (the channel's owner): read afresh after a lost subscription.
+                await (r.nodes_manager.initialize() if lost else r.initialize())
             pubsub = r.pubsub()
             if sharded:
                 await pubsub.ssubscribe(channel)
@@ -57,9 +61,17 @@ async def cancel_events(
             backoff = 0.1
             while True:
                 if sharded:
-                    msg = await pubsub.get_sharded_message(ignore_subscribe_messages=True, timeout=1.0)
+                    msg = await pubsub.get_sharded_message(timeout=1.0)
                 else:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    msg = await pubsub.get_message(timeout=1.0)
+                if msg is None and sharded and not pubsub.node_pubsub_mapping:
+                    # No node holds the subscription (dropped, see below): redis-py then answers
+                    # None at once, and this loop would spin without yielding.
+                    raise RedisConnectionError(f"the sharded subscription to {channel} is gone")
+                if msg is not None and msg.get("type") in ("unsubscribe", "sunsubscribe"):
+                    # The server dropped it: in a failover the old owner of the channel's slot
+                    # unsubscribes its sharded subscribers. Subscribe again on the new owner.
+                    raise RedisConnectionError(f"the subscription to {channel} was dropped by the server")
                 if msg is None or msg.get("type") not in ("message", "smessage"):
                     continue
                 try:
@@ -71,6 +83,7 @@ async def cancel_events(
                     yield run_id
         except (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError) as e:
             log.warning("redis cancel subscription lost (%s); reconnecting", e)
+            lost = True
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
         finally:
