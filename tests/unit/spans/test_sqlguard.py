@@ -429,6 +429,7 @@ def test_a_tree_deeper_than_the_check_can_walk_is_refused(store: ClickHouseSink)
         (["", " "], "a query ClickHouse returned no parse tree for"),  # then: glued, a child missing
         ([*TREE[:-1], f"    Identifier({LONG})"], f"    Identifier({LONG})"),
         ([*TREE[:-1], f"    Identifier {LONG} (children 1)"], f"    Identifier {LONG} (children 1)"),
+        ([*TREE[:-1], f"    ?{LONG}"], f"    ?{LONG}"),  # not a node at all
     ],
 )
 def test_an_unreadable_tree_is_refused_quoting_at_most_120_characters(lines: list[str], what: str) -> None:
@@ -457,3 +458,11 @@ def test_an_unterminated_quote_is_refused(canonical: str, what: str) -> None:
     with pytest.raises(QueryRefused) as info:
         _mask_quoted(canonical)
     assert info.value.what == what
+
+
+def test_a_literal_whose_text_ends_like_an_alias_is_kept_whole() -> None:
+    """EXPLAIN AST of `SELECT ('b (alias c', 1)`: a Literal's text is its value, read to the end
+    (arrayReduce's first argument is judged on it), never split at an `(alias ...)` inside it."""
+    root = _parse_tree([*TREE[:4], "    Literal Tuple_('b (alias c', UInt64_1)", TREE[5]])
+    literal = root.children[0].children[0].children[0].children[0]
+    assert (literal.kind, literal.name, literal.alias) == ("Literal", "Tuple_('b (alias c', UInt64_1)", "")
