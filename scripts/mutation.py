@@ -216,6 +216,15 @@ EQUIVALENT: dict[str, str] = {
     "proxy.spans.sqlguard.x_check_read_query__mutmut_77": (
         "placeholders' values are never read: only which names the query takes"
     ),
+    "proxy.spans.sqlguard.x__mask_quoted__mutmut_47": (
+        "three quote characters for a quoted token instead of two: the masked text's searches (the first "
+        "keyword, SETTINGS, {name:Type}) never count them"
+    ),
+    "proxy.spans.sqlguard.x__mask_quoted__mutmut_50": (
+        "the character after a quoted token skipped: the canonical text puts a space, comma, parenthesis "
+        "or bracket there, which none of the masked text's searches needs (quotes never touch: an "
+        "embedded quote is written escaped)"
+    ),
     "proxy.spans.sqlguard.xǁ_Walkǁroot__mutmut_81": (
         "the root's body is an ExpressionList or a TableExpression, never a Function: the parent passed "
         "with it is not read"
