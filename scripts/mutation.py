@@ -5,7 +5,9 @@
     .venv/bin/python scripts/mutation.py --list          # the targets and their tests
     .venv/bin/python scripts/mutation.py --table-only    # the doc again from docs/mutation.json
     options: --max-children N (default 1: the machine is shared), --timeout S per target
-             (default 1800), --no-write (print the table, leave docs/mutation.md alone)
+             (default 1800), --no-write (print the table, leave docs/mutation.md alone),
+             --resume (go on from a stopped run's results: what it did not reach, and again
+             what it did not kill, with the current tests)
 
 Each target is one module — or the functions of one that hold the promise (the ledger's rules,
 not its dataclasses) — against the fast tests that should notice. Its run happens in a scratch
@@ -51,6 +53,10 @@ class Target:
     tests: tuple[str, ...]  # pytest arguments selecting its fast tests
     functions: tuple[str, ...] = ()  # globs of mutmut's function names; () = the whole module
     what: str = ""
+    # its tests' ClickHouse endpoint started once for the target (RUNCAP_TEST_CLICKHOUSE_URL), not
+    # once per mutant: each mutant's run is a new pytest session, whose module fixture would
+    # start its own
+    clickhouse: bool = False
 
 
 TARGETS: dict[str, Target] = {
@@ -166,6 +172,7 @@ TARGETS: dict[str, Target] = {
         # the end-to-end test starts servers per run, which made every mutant time out)
         ("tests/unit/spans/test_sqlguard.py", "-k", "not query_file and not dashboard"),
         what="what /admin/sql lets through",
+        clickhouse=True,
     ),
 }
 
@@ -198,12 +205,30 @@ EQUIVALENT: dict[str, str] = {
         "len(name) >= len(suffix): a name equal to a combinator leaves '', which is no aggregate"
     ),
     **{
-        f"proxy.spans.sqlguard.xǁ_Walkǁnode__mutmut_{n}": (
-            "the Set node: the SETTINGS check on the canonical text refuses every SETTINGS clause "
-            "before the walk; its branch is a second line no query reaches"
+        f"proxy.spans.sqlguard.x_check_read_query__mutmut_{n}": (
+            "the statement's first word: formatQuerySingleLine writes keywords in capitals and every "
+            "statement starts with one (or with '('), so [A-Z] alone matches the same word, `first` is "
+            "never None and the fallback canonical[:20] is never read"
         )
-        for n in (4, 5, 6, 7)
+        for n in (32, 35, 39)
     },
+    "proxy.spans.sqlguard.x_check_read_query__mutmut_71": "r'\\s*IDENTIFIER\\b' under re.I matches the same",
+    "proxy.spans.sqlguard.x_check_read_query__mutmut_77": (
+        "placeholders' values are never read: only which names the query takes"
+    ),
+    "proxy.spans.sqlguard.x__mask_quoted__mutmut_47": (
+        "three quote characters for a quoted token instead of two: the masked text's searches (the first "
+        "keyword, SETTINGS, {name:Type}) never count them"
+    ),
+    "proxy.spans.sqlguard.x__mask_quoted__mutmut_50": (
+        "the character after a quoted token skipped: the canonical text puts a space, comma, parenthesis "
+        "or bracket there, which none of the masked text's searches needs (quotes never touch: an "
+        "embedded quote is written escaped)"
+    ),
+    "proxy.spans.sqlguard.xǁ_Walkǁroot__mutmut_81": (
+        "the root's body is an ExpressionList or a TableExpression, never a Function: the parent passed "
+        "with it is not read"
+    ),
     **{
         f"proxy.spans.sqlguard.xǁ_Walkǁnode__mutmut_{n}": (
             "the QueryParameter node: the engine refuses a placeholder without a value before "
@@ -396,11 +421,13 @@ def ensure_mutmut() -> Path:
     return exe
 
 
-def scratch_copy(name: str) -> Path:
+def scratch_copy(name: str, resume: bool = False) -> Path:
+    """The tree's files in the target's scratch directory: a fresh one, or (resume) the files
+    copied over the last run's, whose mutants/ keeps mutmut's results."""
     root = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "runcap-mutation" / name
-    if root.exists():
+    if root.exists() and not resume:
         shutil.rmtree(root)
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO, check=True, capture_output=True,
@@ -414,11 +441,32 @@ def scratch_copy(name: str) -> Path:
             continue
         dst = root / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.is_symlink() or dst.exists():
+            dst.unlink()
         if src.is_symlink():
             dst.symlink_to(os.readlink(src))
         else:
             shutil.copy2(src, dst)
     return root
+
+
+SHARED_CLICKHOUSE = "RUNCAP_TEST_CLICKHOUSE_URL"  # read by tests/unit/spans/test_sqlguard.py
+
+
+def start_clickhouse(work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The tests' ClickHouse HTTP endpoint (tests/support/clickhouse_http.py, chdb in a process of
+    its own, on a free port) for a whole target, and its URL once it listens."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.clickhouse_http", str(work / ".clickhouse"), "0"],
+        cwd=work, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert server.stdout is not None
+    url = server.stdout.readline().decode().strip()
+    if not url.startswith("http://"):
+        server.kill()
+        server.wait()
+        raise RuntimeError(f"the ClickHouse endpoint for the tests did not start (it said {url!r})")
+    return server, url
 
 
 def setup_cfg(target: Target, work: Path) -> str:
@@ -450,27 +498,60 @@ _OWN = {"proxy", "tests", "setup.cfg", "mutants", "pyproject.toml", "mutmut-run.
 _RESULT = re.compile(r"^\s*(\S+): (.+?)\s*$")
 
 
-def run_target(name: str, target: Target, mutmut: Path, max_children: int, timeout: float) -> Score:
+def run_target(
+    name: str, target: Target, mutmut: Path, max_children: int, timeout: float, resume: bool = False
+) -> Score:
+    """mutmut over the target in its scratch copy. With `resume`, the last run's results stand for
+    the mutants it killed; the ones it did not kill run again with the tree's current tests
+    (tests only added since: a killed mutant stays killed), then the ones it did not reach."""
     score = Score(name, target)
-    work = scratch_copy(name)
+    work = scratch_copy(name, resume)
     (work / "setup.cfg").write_text(setup_cfg(target, work))
     module = target.module.removesuffix(".py").replace("/", ".")
     globs = [f"{module}.{f}" for f in target.functions]
     started = time.monotonic()
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     log = work / "mutmut-run.log"
+    again = [m for m, status in results(mutmut, work, env, module, globs).items() if status not in KILLED]
+    server = None
     try:
-        with log.open("wb") as out:
-            subprocess.run(
-                [str(mutmut), "run", "--max-children", str(max_children), *globs],
-                cwd=work, env=env, timeout=timeout, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        if target.clickhouse:
+            server, env[SHARED_CLICKHOUSE] = start_clickhouse(work)
+        with log.open("ab" if resume else "wb") as out:
+            # (mutmut runs only the mutants without a result, unless they are named; the ones not
+            # killed first, few and the score's open questions, then the ones not reached)
+            for names in [again, globs] if resume and again else [globs]:
+                subprocess.run(
+                    [str(mutmut), "run", "--max-children", str(max_children), *names],
+                    cwd=work, env=env, timeout=max(1.0, timeout - (time.monotonic() - started)),
+                    stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
     except subprocess.TimeoutExpired:
         score.error = f"stopped after {timeout:.0f} s: the counts are of the mutants run so far"
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
     score.seconds = time.monotonic() - started
+    score.statuses = results(mutmut, work, env, module, globs)
+    if not score.statuses and not score.error:
+        tail = log.read_bytes()[-600:].decode(errors="replace").replace("\r", "\n").strip().splitlines()
+        score.error = "mutmut ran no mutant: " + " / ".join(tail[-3:])
+    return score
+
+
+def results(mutmut: Path, work: Path, env: dict[str, str], module: str, globs: list[str]) -> dict[str, str]:
+    """Each mutant's status in mutmut's results in `work` (none before a first run)."""
+    if not (work / "mutants").is_dir():
+        return {}
     listed = subprocess.run(
         [str(mutmut), "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True
     ).stdout
+    statuses = {}
     for line in listed.splitlines():
         m = _RESULT.match(line)
         if not m or not m.group(1).startswith(module + "."):
@@ -480,11 +561,8 @@ def run_target(name: str, target: Target, mutmut: Path, max_children: int, timeo
             continue
         if status == "not checked":
             continue  # not run (outside the globs, or the run was stopped)
-        score.statuses[mutant] = status
-    if not score.statuses and not score.error:
-        tail = log.read_bytes()[-600:].decode(errors="replace").replace("\r", "\n").strip().splitlines()
-        score.error = "mutmut ran no mutant: " + " / ".join(tail[-3:])
-    return score
+        statuses[mutant] = status
+    return statuses
 
 
 def load_results() -> dict[str, dict[str, object]]:
@@ -544,6 +622,11 @@ def main() -> int:
     ap.add_argument("--max-children", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument(
+        "--resume", action="store_true",
+        help="go on from the last (stopped) run's results in the scratch copy: run what it did not "
+        "reach, and again what it did not kill, with the tree's current tests",
+    )  # fmt: skip
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--table-only", action="store_true", help="docs/mutation.md from docs/mutation.json")
     args = ap.parse_args()
@@ -561,7 +644,7 @@ def main() -> int:
     scores = []
     for name in args.targets or list(TARGETS):
         print(f"{name}: mutating {TARGETS[name].module} ...", flush=True)
-        s = run_target(name, TARGETS[name], mutmut, args.max_children, args.timeout)
+        s = run_target(name, TARGETS[name], mutmut, args.max_children, args.timeout, args.resume)
         c = s.counts()
         print(f"{name}: {s.score:.0%} killed ({c}) in {s.seconds:.0f} s {s.error}", flush=True)
         scores.append(s)

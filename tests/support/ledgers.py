@@ -1,6 +1,7 @@
 """Every ledger backend behind one fixture (make_ledger: SQLite, Redis on the session's redis-
 server, and Redis on the session's 3-master Redis Cluster), and the step / tool-call requests the
-tests send them."""
+tests send them. A test that holds for some backends only says which with `@backends(...)`: the
+others are not generated (never a skip that looks like a missing part)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,19 @@ async def die(ledger: Ledger) -> None:
         await ledger._r.delete(ledger._k_owner(ledger.owner))  # as if its TTL ran out
 
 
-@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
+BACKENDS = ("sqlite", "redis", "redis-cluster")
+
+
+def backends(*names: str) -> pytest.MarkDecorator:
+    """The test runs make_ledger on these backends only (e.g. `@backends("sqlite")` for SQLite's
+    own purge): the cases of the others do not exist."""
+    unknown = set(names) - set(BACKENDS)
+    if unknown or not names:
+        raise ValueError(f"backends({', '.join(names)}): each must be one of {', '.join(BACKENDS)}")
+    return pytest.mark.parametrize("make_ledger", names, indirect=True)
+
+
+@pytest.fixture(params=BACKENDS)
 async def make_ledger(request, tmp_path: Path) -> AsyncIterator[Callable[..., Ledger]]:  # type: ignore[no-untyped-def]
     """make_ledger(**opts) → a ledger instance; every instance of one test shares one store."""
     opened: list[Ledger] = []

@@ -418,9 +418,8 @@ async def test_every_dashboard_query_passes(target: Target) -> None:
 
 
 @ASYNC
+@pytest.mark.parametrize("target", ["chdb"], indirect=True)  # one engine's function list is enough
 async def test_the_allow_list_holds_no_function_that_reaches_out(target: Target) -> None:
-    if target.backend != "chdb":
-        pytest.skip("one engine's function list is enough")
     writer = target.store._writer
     functions = {
         r[0]: {"ci": bool(r[1]), "alias_to": r[2], "aggregate": bool(r[3])}
@@ -504,13 +503,13 @@ def test_compose_reads_as_runcap_reader() -> None:
 
 
 @ASYNC
+@pytest.mark.parametrize("target", ["http"], indirect=True)  # a read URL is for a ClickHouse server
 async def test_reads_go_to_the_read_url(target: Target, tmp_path: Path) -> None:
     """`open_span_store(..., read_url=)` opens the reader with the read URL's credentials: a wrong
     password there fails, though the writer's URL is fine; a read URL naming another database is
     refused."""
-    if target.clickhouse_url is None:
-        pytest.skip("a read URL is for a ClickHouse server")
     url = target.clickhouse_url
+    assert url is not None
     wrong = url.replace("default:@", "default:wrong@")
     with pytest.raises(SpanStoreError, match=r"AUTHENTICATION_FAILED|Authentication failed"):
         await asyncio.to_thread(open_span_store, url, tmp_path, read_url=wrong)

@@ -17,6 +17,7 @@ from proxy.ledger.base import (
     ApprovalNotPending,
     ApprovalRequest,
 )
+from tests.support.ledgers import backends
 
 
 def ask(run_id: str = "r", key: str = "k1", *, now: float | None = None, expires_at: float | None = None,
@@ -113,9 +114,8 @@ def test_redis_keys_of_a_runs_approvals_share_its_slot() -> None:
     assert keys.record("a", "b:c") != keys.record("a:b", "c")
 
 
+@backends("sqlite")  # Redis: the approval keys expire after the retention (PX on every write)
 async def test_sqlite_purges_approvals_with_the_retention(make_ledger):  # type: ignore[no-untyped-def]
-    if make_ledger.backend != "sqlite":
-        pytest.skip("Redis: the approval keys expire after the retention (PX on every write)")
     led = make_ledger(retention_s=60)
     old, _ = await led.open_approval(ask())
     await led.decide_approval(old.id, True, "alice", "", time.time())

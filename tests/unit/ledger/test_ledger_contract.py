@@ -36,7 +36,7 @@ from proxy.ledger.base import (
     settle_unledgered,
 )
 from proxy.ledger.redis import RedisLedger
-from tests.support.ledgers import USD, die, step, tool
+from tests.support.ledgers import USD, backends, die, step, tool
 from tests.support.redis_server import wait_subscribed
 
 
@@ -178,9 +178,8 @@ async def test_cancel_visible_to_every_instance(make_ledger):  # type: ignore[no
         await a.begin_step(step("never-seen", RunCaps()))
 
 
+@backends("redis", "redis-cluster")  # SQLite has no push: runcap polls the cancel flags of runs in flight
 async def test_cancel_is_pushed_to_other_redis_instances(make_ledger, request):  # type: ignore[no-untyped-def]
-    if make_ledger.backend == "sqlite":
-        pytest.skip("SQLite has no push: runcap polls the cancel flags of runs in flight")
     a, b = make_ledger(), make_ledger()
     events = b.cancel_events()
     got = asyncio.create_task(events.__anext__())
@@ -491,9 +490,9 @@ CREATE TABLE tool_calls (
 
 
 async def _write_old_records(make_ledger, tmp_path: Path, records: list[tuple[str, str, bytes]]) -> Ledger:  # type: ignore[no-untyped-def]
-    """A ledger holding completed `refund` records (run, key, body) as runcap 0.1 wrote them."""
-    if make_ledger.backend == "redis-cluster":
-        pytest.skip("older layouts ran on a single Redis only (their scripts were cross-slot)")
+    """A ledger holding completed `refund` records (run, key, body) as runcap 0.1 wrote them (on
+    SQLite or a single Redis: its scripts were cross-slot, it never ran on a cluster)."""
+    assert make_ledger.backend in ("sqlite", "redis"), make_ledger.backend
     now = time.time()
     if make_ledger.backend == "sqlite":
         db = sqlite3.connect(tmp_path / "ledger.sqlite3")
@@ -522,6 +521,7 @@ async def _write_old_records(make_ledger, tmp_path: Path, records: list[tuple[st
     return led
 
 
+@backends("sqlite", "redis")  # older layouts ran on a single Redis only (their scripts were cross-slot)
 async def test_records_of_an_older_ledger_are_found_and_bound_by_tool(make_ledger, tmp_path):  # type: ignore[no-untyped-def]
     # The last of each colliding pair is the one runcap 0.1 kept; both keep their own identity.
     old = [("old", "k", b"old-k"), ("u:v", "w", b"u:v+w")]
@@ -549,9 +549,8 @@ async def test_records_of_an_older_ledger_are_found_and_bound_by_tool(make_ledge
         assert (await led2.get_tool_call("old", "k")).body == b"old-k"
 
 
+@backends("redis")  # SQLite's key (run_id, key) did not change; no older layout ran on a cluster
 async def test_moving_old_redis_records_keeps_a_newer_record(make_ledger, tmp_path):  # type: ignore[no-untyped-def]
-    if make_ledger.backend == "sqlite":
-        pytest.skip("SQLite's key (run_id, key) did not change")
     led = await _write_old_records(make_ledger, tmp_path, [("n", "k", b"before the upgrade")])
     # The call was made again after the upgrade, before the move: its record is the newer one.
     await led.begin_tool_call(tool("n", "k"))
