@@ -121,6 +121,22 @@ class RunCaps:
         )
 
 
+# Caps as the ledgers decode them on every call of a run: the same few sets recur, and a frozen
+# RunCaps built field by field costs more than a lookup (`stored_caps`).
+_STORED: dict[tuple[int | float | None, ...], RunCaps] = {}
+STORED_KEPT = 4096
+
+
+def stored_caps(*values: int | float | None) -> RunCaps:
+    """`RunCaps(*values)` (positional), the same object for the same values (it is immutable)."""
+    caps = _STORED.get(values)
+    if caps is None:
+        if len(_STORED) >= STORED_KEPT:
+            _STORED.clear()
+        caps = _STORED[values] = RunCaps(*values)
+    return caps
+
+
 def _min(a, b):  # type: ignore[no-untyped-def]
     if a is None:
         return b

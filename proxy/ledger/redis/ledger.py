@@ -198,7 +198,7 @@ class RedisLedger(base.Ledger):
         if stored is None and state.root != run_id:
             # A new child: found by its id through a pointer to its tree (store.py), written
             # before its state is.
-            await store.point(run_id, state.root)
+            await store.point(state)
         return state, chain
 
     async def _open(
@@ -336,7 +336,10 @@ class RedisLedger(base.Ledger):
             return state
 
     async def get_run(self, run_id: str) -> base.RunState | None:
-        return (await self._store.read_run(run_id))[1]
+        state = (await self._store.read_run(run_id))[1]
+        if state is not None and state.children:
+            state.child_ids = await self._store.child_ids(state)
+        return state
 
     async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         state = await self._update(run_id, now, cancel=True)
