@@ -179,7 +179,7 @@ class RedisLedger(base.Ledger):
         if not parent and (stored is None or not stored.ancestors):
             return stored or base.new_run(run_id, task, caps, now), []
         store = self._store
-        chain: list[tuple[str, base.RunState | None]]
+        chain: Chain
         if parent and (stored is None or stored.parent_run_id != parent):
             named = await store.read_run(parent, cached=cached)  # its root: from its pointer
             up = named[1]

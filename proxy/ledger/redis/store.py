@@ -236,7 +236,7 @@ class RedisStore:
     async def child_ids(self, state: RunState) -> tuple[str, ...]:
         """The first `CHILD_IDS_KEPT` children of the run, oldest first."""
         kids = await self.r.zrange(self.keys.children(state.run_id, state.root), 0, CHILD_IDS_KEPT - 1)
-        return tuple(as_text(kid) for kid in kids)
+        return tuple(as_text(kid) for kid in kids if isinstance(kid, bytes | str))
 
     def _stale(self, done: dict[str, float], root: str) -> bool:
         at = done.get(root)
