@@ -42,12 +42,12 @@ from proxy.ledger.sqlite.liveness import OwnerFiles
 from proxy.ledger.sqlite.schema import (
     SCHEMA,
     TOOL_COLUMNS,
+    add_change,
     add_child,
     child_ids,
     load_ancestors,
     load_record,
     load_run,
-    load_runs,
     row_to_record,
     save_record,
     save_run,
@@ -139,8 +139,8 @@ class SQLiteLedger(base.Ledger):
         if not parent and (state is None or not state.ancestors):
             return state or base.new_run(run_id, task, caps, now), [], False  # a root: one row
         if parent and (state is None or state.parent_run_id != parent):
-            named = load_run(db, parent)
-            chain = [named, *load_runs(db, named.ancestors if named else ())]
+            named = load_run(db, parent)  # whole: it counts its new child
+            chain = [named, *(load_ancestors(db, named.ancestors) if named and named.ancestors else ())]
             child = base.open_run(state, chain, run_id, task, caps, parent, now)
             return child, chain, True
         assert state is not None
@@ -163,17 +163,21 @@ class SQLiteLedger(base.Ledger):
         whole: bool = False,
         refused: bool = False,
     ) -> None:
-        """The run, and its ancestors: in full when `whole` (`chain` holds them whole, changed
-        beyond their subtree totals: a new child counted in its parent), else the change of the
-        run's totals since `before` added to theirs (what `base.propagate` did to `chain`) and,
-        when the call was `refused`, their statuses (the ancestor whose cap binds)."""
+        """The run, and what the call changed in its ancestors: the change of the run's totals
+        since `before` added to theirs (what `base.propagate` did to `chain`, which is not
+        written) and, when the call was `refused`, their statuses (the ancestor whose cap binds).
+        `whole`: the run is a new child, and its parent (`chain[0]`, read whole) is written whole
+        (it counts its child) with the child indexed under it."""
+        db, narrow = self._db, chain
         if whole and chain:
-            save_runs(self._db, [state, *chain])
-            add_child(self._db, state)
-            return
-        save_run_changed(self._db, state, before, now)
+            save_runs(db, [state, chain[0]])
+            add_child(db, state)
+            add_change(db, state.ancestors[1:], base.change(before, state), now)
+            narrow = chain[1:]
+        else:
+            save_run_changed(db, state, before, now)
         if refused:
-            save_statuses(self._db, chain)
+            save_statuses(db, narrow)
 
     def _begin_step(self, req: base.StepRequest) -> base.Reservation:
         state, chain, whole = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)

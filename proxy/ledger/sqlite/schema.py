@@ -120,7 +120,7 @@ ADDED_COLUMNS = {
         ("max_repeats", "INTEGER"),
         ("repeats", "TEXT NOT NULL DEFAULT ''"),
         # Run trees (issue 22), one JSON array ('' for a run in no tree: a row written before reads
-        # as a root, and a root pays one empty column, not fourteen): see `_tree_json`.
+        # as a root, and a root pays one empty column, not fourteen): see `_tree_columns`.
         ("tree", "TEXT NOT NULL DEFAULT ''"),
         # ... but for the subtree totals (`base.SUB_TOTALS` of that array), which every call of a
         # descendant changes: in columns of their own, so that one narrow UPDATE adds a call's
@@ -221,17 +221,6 @@ def _tree_columns(s: RunState) -> tuple[Any, ...]:
     return (json.dumps(values), *subs)
 
 
-def load_runs(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
-    """Several runs (a run's ancestors) in one statement, in the order asked."""
-    if not run_ids:
-        return []
-    rows = db.execute(
-        f"SELECT {COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * len(run_ids))})", tuple(run_ids)
-    ).fetchall()
-    found = {row[0]: row_to_state(row) for row in rows}
-    return [found.get(run_id) for run_id in run_ids]
-
-
 def save_runs(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:
     db.executemany(UPSERT, [state_to_row(s) for s in states if s is not None])
 
@@ -243,10 +232,11 @@ def _add_to_ancestors(n: int) -> str:
     return f"UPDATE runs SET {added}, updated_at = MAX(updated_at, ?) WHERE run_id IN ({', '.join('?' * n)})"
 
 
-# What a call of a sub-run checks of each ancestor (`base._tree_view`, `check_tree_live`): its
-# dollar, token and tree caps, deadline, totals, subtree totals, status and cancel flag. The tree
+# What a call of a sub-run checks of each ancestor (`base._tree_view`, `check_tree_live`, and a new
+# child's `open_run` beyond its parent): its dollar, token, depth and tree caps, deadline, totals,
+# subtree totals, status and cancel flag. The tree
 # caps are read out of the `tree` array (`base.tree_values` less the subtree totals).
-TREE_CAPS = ("max_tree_steps", "max_tree_tool_calls")
+TREE_CAPS = ("max_depth", "max_tree_steps", "max_tree_tool_calls")
 _TREE_CAP_AT = {cap: at - (SUB_TOTALS.stop - SUB_TOTALS.start) for cap, at in TREE_CAPS_AT.items()}
 _ANCESTOR_COLUMNS = (
     "run_id, status, cancelled, max_usd, max_tokens, deadline, spent_usd, input_tokens, output_tokens, "
@@ -279,7 +269,7 @@ def load_ancestors(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunSt
     ).fetchall()
     found = {}
     for r in rows:
-        caps = stored_caps(r[3], r[4], None, None, r[5], None, None, None, None, None, r[20], r[21])
+        caps = stored_caps(r[3], r[4], None, None, r[5], None, None, None, r[20], None, r[21], r[22])
         found[r[0]] = _ancestor(r[0], r[1], bool(r[2]), caps, *r[6:20], _NO_REPEATS)
     return [found.get(run_id) for run_id in run_ids]
 
@@ -292,13 +282,16 @@ def save_statuses(db: sqlite3.Connection, states: Sequence[RunState | None]) -> 
 
 
 def save_run_changed(db: sqlite3.Connection, state: RunState, before: Totals, now: float) -> None:
-    """The run, and what changed in its totals since `before` added to its ancestors' subtree
-    totals and `updated_at` — `base.propagate` as one narrow statement, the ancestors neither read
-    nor re-encoded (one that expired has no row: nothing to add to, as in `propagate`)."""
+    """The run, and what changed in its totals since `before` added to its ancestors'."""
     save_run(db, state)
-    delta = change(before, state)
-    if delta is not None and state.ancestors:
-        ancestors = state.ancestors
+    add_change(db, state.ancestors, change(before, state), now)
+
+
+def add_change(db: sqlite3.Connection, ancestors: Sequence[str], delta: Totals | None, now: float) -> None:
+    """`delta` added to each of `ancestors`' subtree totals, and their `updated_at` moved to `now` —
+    `base.propagate` as one narrow statement, the ancestors neither read nor re-encoded (one that
+    expired has no row: nothing to add to, as in `propagate`)."""
+    if delta is not None and ancestors:
         db.execute(_add_to_ancestors(len(ancestors)), (*delta, now, *ancestors))
 
 
