@@ -1197,15 +1197,6 @@ def note_repeats(state: RunState, reservation: Reservation, s: Settlement, limit
     state.repeats = repeats
 
 
-def apply_tree_settlement(
-    state: RunState, chain: Sequence[RunState | None], reservation: Reservation, s: Settlement, now: float
-) -> None:
-    """`apply_settlement` of a run with ancestors: the same change added to their subtree totals."""
-    before = totals(state)
-    apply_settlement(state, reservation, s, now)
-    propagate(before, state, chain, now)
-
-
 def apply_recovery(
     state: RunState, usd_nanos: int, input_tokens: int, output_tokens: int, now: float
 ) -> None:

@@ -276,14 +276,13 @@ class RedisLedger(base.Ledger):
                 self._liveness.live.pop(reservation.id, None)
                 raise KeyError(reservation.run_id)
             chain = await self._chain_of(state, cached=attempt == 0)
-            states = [st for _, st in chain]
+            before = base.totals(state)
             if swept:
-                before = base.totals(state)
                 base.apply_unrecovery(
                     state, reservation.usd_nanos, reservation.input_tokens, reservation.output_tokens, now
                 )
-                base.propagate(before, state, states, now)
-            base.apply_tree_settlement(state, states, reservation, settlement, now)
+            base.apply_settlement(state, reservation, settlement, now)
+            base.propagate(before, state, [st for _, st in chain], now)  # its ancestors take the change
             write = self._store.settle_swept if swept else self._store.settle_reservation
             ok = await write(version, state, reservation.id, self.owner, chain)
             if ok == 1:

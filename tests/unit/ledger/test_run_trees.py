@@ -24,6 +24,8 @@ from proxy.ledger.base import (
     Settlement,
     copy_state,
     partial_state,
+    propagate,
+    totals,
 )
 from proxy.ledger.redis.codec import json_state, state_json
 from proxy.ledger.sqlite.schema import SUB_COLUMNS
@@ -425,3 +427,33 @@ async def test_a_sqlite_file_with_subtree_totals_in_the_tree_array_is_upgraded(m
     g = await call(led, "g")  # and the totals go on from there
     added = g.spent_usd_nanos - before["g"].spent_usd_nanos
     assert added > 0 and (await run(led, "p")).sub_spent_usd_nanos == before["p"].sub_spent_usd_nanos + added
+
+
+def test_propagate_adds_the_change_of_each_total_to_every_ancestor() -> None:
+    state = RunState("c", spent_usd_nanos=5, reserved_usd_nanos=7, input_tokens=1, output_tokens=2,
+                     reserved_tokens=3, steps=4, tool_calls_requested=1, tool_calls_executed=2)  # fmt: skip
+    before = totals(state)
+    state.spent_usd_nanos += 10
+    state.reserved_usd_nanos -= 7
+    state.input_tokens += 20
+    state.output_tokens += 30
+    state.reserved_tokens -= 3
+    state.steps += 1
+    state.tool_calls_executed += 3  # tool calls: the max of requested and executed, 2 -> 5
+    held = (100, 20, 1000, 30, 9, 2)  # what the parent's subtree held already
+    parent = RunState("p", updated_at=50.0)
+    (
+        parent.sub_spent_usd_nanos, parent.sub_reserved_usd_nanos, parent.sub_tokens,
+        parent.sub_reserved_tokens, parent.sub_steps, parent.sub_tool_calls,
+    ) = held  # fmt: skip
+    root = RunState("r", updated_at=70.0)
+    propagate(before, state, [parent, None, root], 60.0)
+    for node, had in ((parent, held), (root, (0,) * 6)):
+        subs = (
+            node.sub_spent_usd_nanos, node.sub_reserved_usd_nanos, node.sub_tokens,
+            node.sub_reserved_tokens, node.sub_steps, node.sub_tool_calls,
+        )  # fmt: skip
+        assert subs == tuple(h + d for h, d in zip(had, (10, -7, 50, -3, 1, 3), strict=True))
+    assert (parent.updated_at, root.updated_at) == (60.0, 70.0)  # the newest wins
+    propagate(totals(state), state, [parent], 99.0)  # nothing changed: nothing moves
+    assert parent.updated_at == 60.0
