@@ -15,6 +15,12 @@
     .venv/bin/python -m bench.ledger_bench [--ops 5000] [--duration 10] [--concurrency 32] [--cluster]
         [--skip-tools] [--json F]
         [--tree]   (3. a run three levels below a root vs a root: reserve + settle, interleaved)
+        [--baseline DIR ...] [--rounds 3]
+                   (4. parts 1 and 3 of this tree and of other checkouts of runcap, e.g.
+                   `git archive REV | tar -x -C DIR`, side by side: each round runs every tree in
+                   a subprocess of its own, in turn — the order reversed every other round — on
+                   the same Redis servers; medians of the rounds' p50s. A checkout from before run
+                   trees runs part 1 only, and one from before Redis Cluster support no cluster.)
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -211,6 +220,82 @@ def _ledger_part(
     return out
 
 
+# Runs in a subprocess whose working directory and PYTHONPATH are a checkout of runcap: that
+# checkout's ledger, measured by this file's functions (loaded by path, under another name).
+_PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("ledger_bench_probe", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+import inspect
+from proxy.ledger.base import StepRequest
+from proxy.ledger.redis import RedisLedger
+tree = sys.argv[5] == "1" and "parent_run_id" in StepRequest.__dataclass_fields__
+cluster = sys.argv[4] if "cluster" in inspect.signature(RedisLedger).parameters else ""
+out = bench._ledger_part(int(sys.argv[2]), sys.argv[3], cluster or None, tree=tree)
+print(json.dumps(out))
+"""
+
+
+def _probe(tree: Path, n: int, redis_url: str, cluster_url: str | None, with_tree: bool) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(Path(__file__).resolve()), str(n), redis_url, cluster_url or "",
+         "1" if with_tree else "0"],
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, timeout=1800, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"ledger probe in {tree} failed: {done.stderr.decode()[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.decode().splitlines()[-1])
+    return result
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each number over the rounds (nested like one round's result), and the
+    rounds' values of each p50 and ratio beside it."""
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [run[key] for run in runs if key in run]
+        if isinstance(first, dict):
+            out[key] = _medians(values)
+        elif isinstance(first, int | float):
+            out[key] = round(statistics.median(values), 4)
+            if key == "p50_ms" or "ratio" in key:
+                out[f"{key} rounds"] = values
+    return out
+
+
+def bench_side_by_side(
+    trees: dict[str, Path], n: int, redis_url: str, cluster_url: str | None, with_tree: bool, rounds: int
+) -> dict[str, Any]:
+    """Parts 1 and 3 of each checkout in `trees`, `rounds` times, in turn."""
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for round_ in range(rounds):
+        order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
+        for name in order:
+            samples[name].append(_probe(trees[name], n, redis_url, cluster_url, with_tree))
+            print(f"round {round_ + 1}/{rounds}: {name} done", flush=True)
+    return {name: _medians(runs) for name, runs in samples.items()}
+
+
+def _print_side_by_side(results: dict[str, Any]) -> None:
+    names = list(results)
+    print(f"{'p50 ms (median of rounds)':<58}" + "".join(f"{name[:16]:>18}" for name in names))
+    rows: dict[tuple[str, str], list[str]] = {}
+    for col, (_name, by_backend) in enumerate(results.items()):
+        for backend, ops in by_backend.items():
+            for op, v in ops.items():
+                if isinstance(v, dict):
+                    cell = v.get("p50_ms", v.get("cpu_us_per_pair"))
+                    label = op if "p50_ms" in v else f"{op} (µs CPU/pair)"
+                else:
+                    cell, label = v, op
+                if cell is None or label.endswith(" rounds"):
+                    continue
+                rows.setdefault((backend, label), [""] * len(names))[col] = str(cell)
+    for (backend, label), cells in rows.items():
+        print(f"{backend[:14]:<15}{label[:42]:<43}" + "".join(f"{c:>18}" for c in cells), flush=True)
+
+
 def _summary(r: Any) -> dict[str, Any]:
     return {
         "rate": round(r.achieved_rate, 1), "ok": r.ok, "errors": r.errors,
@@ -283,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tree", action="store_true", help="also a depth-3 run tree's reserve+settle vs a root's"
     )
+    ap.add_argument(
+        "--baseline", type=Path, action="append", default=[],
+        help="another checkout of runcap to measure side by side with this tree (repeatable)",
+    )  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds (default 3)")
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
@@ -291,6 +381,20 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="runcap-lbench-"))
     redis = RedisServer().start()
     cluster = RedisClusterServers().start() if args.cluster else None
+    if args.baseline:
+        trees = {"this tree": ROOT, **{str(b): b.resolve() for b in args.baseline}}
+        try:
+            results = bench_side_by_side(
+                trees, args.ops, redis.url, cluster and cluster.url, args.tree, args.rounds
+            )
+        finally:
+            redis.stop()
+            if cluster is not None:
+                cluster.stop()
+        _print_side_by_side(results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     try:
         ledgers = _ledger_part(
             args.ops, redis.url, cluster.url if cluster is not None else None, tree=args.tree

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 from proxy.bounds import ASCII_INT, MAX_CAP, MAX_USD, PLAIN_DECIMAL
 from proxy.config import CapsConfig
@@ -119,6 +120,22 @@ class RunCaps:
             self.max_tree_steps,
             self.max_tree_tool_calls,
         )
+
+
+# Caps as the ledgers decode them on every call of a run: the same few sets recur, and a frozen
+# RunCaps built field by field costs more than a lookup (`stored_caps`).
+_STORED: dict[tuple[Any, ...], RunCaps] = {}
+STORED_KEPT = 4096
+
+
+def stored_caps(*values: Any) -> RunCaps:
+    """`RunCaps(*values)` (positional), the same object for the same values (it is immutable)."""
+    caps = _STORED.get(values)
+    if caps is None:
+        if len(_STORED) >= STORED_KEPT:
+            _STORED.clear()
+        caps = _STORED[values] = RunCaps(*values)
+    return caps
 
 
 def _min(a, b):  # type: ignore[no-untyped-def]

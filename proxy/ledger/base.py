@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from typing import Any
 
-from proxy.caps import RunCaps
+from proxy.caps import RunCaps, stored_caps
 from proxy.errors import (
     BudgetExceeded,
     DeadlineExceeded,
@@ -112,7 +112,8 @@ class RunState:
     # created, so one read finds every state a call of this run checks and updates.
     ancestors: tuple[str, ...] = ()
     children: int = 0  # direct children started
-    child_ids: tuple[str, ...] = ()  # their ids, the first CHILD_IDS_KEPT of them (GET /runs)
+    # Their ids, the first CHILD_IDS_KEPT of them, as `get_run` reads them (GET /runs); () elsewhere.
+    child_ids: tuple[str, ...] = ()
     # What the run's descendants spent, hold reserved and counted — kept by every call of a
     # descendant, atomically with it (`propagate`): a run's dollar and token caps, and its
     # `max_tree_steps` / `max_tree_tool_calls`, bound its own use plus these.
@@ -161,6 +162,33 @@ class RunState:
             "tool_calls": None if c.max_tool_calls is None else max(0, c.max_tool_calls - self.tool_calls),
             "ms": None if c.deadline is None else max(0.0, (c.deadline - now) * 1000.0),
         }
+
+
+def _positional(name: str, params: str, args: Callable[[str], str]) -> Callable[..., RunState]:
+    """A function `name(params)` returning `RunState(...)` with each field passed positionally as
+    `args(field)`, built once from the dataclass's fields: states are copied and built on every
+    call, and `dataclasses.replace` or keywords cost several times more for a class this wide."""
+    passed = ", ".join(args(f.name) for f in fields(RunState))
+    source = f"def {name}({params}):\n    return RunState({passed})\n"
+    namespace: dict[str, Any] = {"RunState": RunState, "RunCaps": RunCaps, "Repeats": Repeats}
+    exec(source, namespace)  # the text is made of the dataclass's own field names
+    built: Callable[..., RunState] = namespace[name]
+    return built
+
+
+# A shallow copy of a state (a reservation's snapshot, a tool call's answer).
+copy_state: Callable[[RunState], RunState] = _positional("copy_state", "s", lambda n: f"s.{n}")
+
+_FACTORIES = {"caps": "RunCaps()", "repeats": "Repeats()"}
+
+
+def partial_state(given: Sequence[str]) -> Callable[..., RunState]:
+    """A constructor taking the fields `given`, in that order, the others at their defaults: the
+    part of a run a backend reads when it needs only that part (never saved whole)."""
+    defaults = {f.name: repr(f.default) for f in fields(RunState) if f.name not in _FACTORIES}
+    return _positional(
+        "partial_state", ", ".join(given), lambda n: n if n in given else _FACTORIES.get(n) or defaults[n]
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,7 +734,7 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
         output_limit=output_limit,
         clamped=limit < wanted,
         final_step=final_reason is not None,
-        state=replace(state),
+        state=copy_state(state),
         counts_as_step=req.counts_as_step,
         hosted_uses=hosted_uses,
         uses=uses,
@@ -727,6 +755,13 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
 ANCESTOR_STOPPED = "ancestor_budget_exceeded"
 
 
+# Where a run's subtree totals (`sub_*`, in `Totals`' order) and its tree caps are in
+# `tree_values`' list: a backend may store or read them apart (the SQLite ledger keeps the totals
+# in columns of their own, and reads an ancestor's tree caps out of the rest).
+SUB_TOTALS = slice(4, 10)
+TREE_CAPS_AT = {"max_depth": 10, "max_children": 11, "max_tree_steps": 12, "max_tree_tool_calls": 13}
+
+
 def tree_values(s: RunState) -> list[object]:
     """A run's tree fields (issue 22) as the list both backends store (Redis appended to a run's
     JSON, SQLite in its `tree` column); [] for a run in no tree and without tree caps, which is
@@ -736,7 +771,6 @@ def tree_values(s: RunState) -> list[object]:
         s.parent_run_id, s.root_run_id, list(s.ancestors), s.children,
         s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
         s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
-        list(s.child_ids),
     ]  # fmt: skip
     return values if any(values) else []
 
@@ -747,13 +781,16 @@ def load_tree_values(state: RunState, t: Sequence[Any]) -> None:
     (
         state.sub_spent_usd_nanos, state.sub_reserved_usd_nanos, state.sub_tokens,
         state.sub_reserved_tokens, state.sub_steps, state.sub_tool_calls,
-    ) = t[4:10]  # fmt: skip
-    state.caps = replace(
-        state.caps, max_depth=t[10], max_children=t[11], max_tree_steps=t[12], max_tree_tool_calls=t[13]
-    )
-    state.child_ids = tuple(t[14])
-# A parent's state lists at most this many children's ids (it is written by every call of its
-# subtree, so it must stay small); `children` counts them all.
+    ) = t[SUB_TOTALS]  # fmt: skip
+    c = state.caps
+    state.caps = stored_caps(
+        c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline, c.timeout_s,
+        c.max_context_tokens, c.max_repeats, t[10], t[11], t[12], t[13],
+    )  # fmt: skip
+
+# A run's state read by `get_run` lists at most this many of its children's ids; `children`
+# counts them all. The ids are not part of the state every call of the subtree reads and writes
+# (`tree_values`): each backend indexes a child under its parent once, when it is created.
 CHILD_IDS_KEPT = 256
 _TREE_HEADER = {
     "max_usd": "X-Run-Max-Usd",
@@ -850,8 +887,6 @@ def open_run(
         # The earlier of its own and its parent's (every ancestor's is checked on each call too).
         child.caps = replace(child.caps, deadline=_min_opt(child.caps.deadline, named.caps.deadline))
     named.children += 1
-    if len(named.child_ids) < CHILD_IDS_KEPT:
-        named.child_ids = (*named.child_ids, run_id)
     named.updated_at = max(named.updated_at, now)
     return child
 
@@ -892,12 +927,22 @@ def totals(state: RunState) -> Totals:
     )  # fmt: skip
 
 
-def propagate(before: Totals, state: RunState, chain: Sequence[RunState | None], now: float) -> None:
-    """Add what changed in `state`'s totals since `before` to every ancestor's subtree totals."""
+def change(before: Totals, state: RunState) -> Totals | None:
+    """What changed in `state`'s totals since `before` — what each of its ancestors adds to its
+    subtree totals; None when nothing did."""
     after = totals(state)
     if after == before:
-        return
+        return None
     usd, res_usd, tokens, res_tokens, steps, tool_calls = (a - b for a, b in zip(after, before, strict=True))
+    return usd, res_usd, tokens, res_tokens, steps, tool_calls
+
+
+def propagate(before: Totals, state: RunState, chain: Sequence[RunState | None], now: float) -> None:
+    """Add what changed in `state`'s totals since `before` to every ancestor's subtree totals."""
+    delta = change(before, state)
+    if delta is None:
+        return
+    usd, res_usd, tokens, res_tokens, steps, tool_calls = delta
     for node in chain:
         if node is None:
             continue
@@ -929,26 +974,26 @@ def _tree_view(state: RunState, chain: Sequence[RunState | None]) -> tuple[RunCa
     nodes = [state, *(n for n in chain if n is not None)]
     c = state.caps
     binds: dict[str, RunState] = {}
-    view = c
+    lowered: dict[str, int] = {}
     usd = _tightest(nodes, lambda n: n.caps.max_usd_nanos, lambda n: n.tree_usd_nanos)
     if usd is not None:
-        view = replace(view, max_usd_nanos=state.spent_usd_nanos + state.reserved_usd_nanos + usd[0])
+        lowered["max_usd_nanos"] = state.spent_usd_nanos + state.reserved_usd_nanos + usd[0]
         binds["max_usd"] = usd[1]
     tokens = _tightest(nodes, lambda n: n.caps.max_tokens, lambda n: n.tree_tokens)
     if tokens is not None:
-        view = replace(view, max_tokens=state.tokens_used + state.reserved_tokens + tokens[0])
+        lowered["max_tokens"] = state.tokens_used + state.reserved_tokens + tokens[0]
         binds["max_tokens"] = tokens[1]
     steps = _tightest(nodes, lambda n: n.caps.max_tree_steps, lambda n: n.steps + n.sub_steps)
     if steps is not None and (c.max_steps is None or state.steps + steps[0] < c.max_steps):
-        view = replace(view, max_steps=state.steps + max(0, steps[0]))
+        lowered["max_steps"] = state.steps + max(0, steps[0])
         binds["max_steps"] = steps[1]
     calls = _tightest(
         nodes, lambda n: n.caps.max_tree_tool_calls, lambda n: n.tool_calls + n.sub_tool_calls
     )
     if calls is not None and (c.max_tool_calls is None or state.tool_calls + calls[0] < c.max_tool_calls):
-        view = replace(view, max_tool_calls=state.tool_calls + max(0, calls[0]))
+        lowered["max_tool_calls"] = state.tool_calls + max(0, calls[0])
         binds["max_tool_calls"] = calls[1]
-    return view, binds
+    return (replace(c, **lowered) if lowered else c), binds  # (one construction, not one per cap)
 
 
 def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunState | None]) -> Reservation:
@@ -969,8 +1014,9 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
             raise
         raise _tree_rejection(state, node, rej) from None
     state.caps = own
+    res.state.caps = own  # (the snapshot was taken under the view)
     propagate(before, state, chain, req.now)
-    return replace(res, state=replace(state))
+    return res
 
 
 def _tree_rejection(state: RunState, node: RunState, rej: BudgetExceeded) -> BudgetExceeded:
@@ -1102,7 +1148,7 @@ def begin_unledgered_step(req: StepRequest) -> Reservation:
 def settle_unledgered(reservation: Reservation, settlement: Settlement, now: float) -> RunState:
     """`settle` for a reservation of `begin_unledgered_step`: the run after the call, in memory
     (no other call shares the run, so its state at reservation time is the whole story)."""
-    state = replace(reservation.state)
+    state = copy_state(reservation.state)
     apply_settlement(state, reservation, settlement, now)
     return state
 
@@ -1150,15 +1196,6 @@ def note_repeats(state: RunState, reservation: Reservation, s: Settlement, limit
     if s.tool_call_fingerprints:
         note_calls(repeats, s.tool_call_fingerprints, limit, reservation.step)
     state.repeats = repeats
-
-
-def apply_tree_settlement(
-    state: RunState, chain: Sequence[RunState | None], reservation: Reservation, s: Settlement, now: float
-) -> None:
-    """`apply_settlement` of a run with ancestors: the same change added to their subtree totals."""
-    before = totals(state)
-    apply_settlement(state, reservation, s, now)
-    propagate(before, state, chain, now)
 
 
 def apply_recovery(
@@ -1339,9 +1376,9 @@ def decide_tool_call(
         if not same_operation(record, req):
             raise _key_reused(record, req)
         if record.state == COMPLETED:
-            return ToolCallStart("replay", replace(state), record)
+            return ToolCallStart("replay", copy_state(state), record)
         if record.state == IN_FLIGHT and owner_alive:
-            return ToolCallStart("wait", replace(state), record)
+            return ToolCallStart("wait", copy_state(state), record)
         if record.state == IN_FLIGHT:
             record.state = UNKNOWN
             record.updated_at = req.now
@@ -1385,7 +1422,7 @@ def decide_tool_call(
             op_hash=req.op_hash,
             step=state.steps,
         )
-    return ToolCallStart("execute", replace(state), new)
+    return ToolCallStart("execute", copy_state(state), new)
 
 
 # -- approvals: a person's yes or no on one exact tool call (DESIGN.md "Tool policies and approvals")

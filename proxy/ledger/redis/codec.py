@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import orjson
 
-from proxy.caps import RunCaps
+from proxy.caps import stored_caps
 from proxy.ledger.base import IdempotencyRecord, RunState, load_tree_values, tree_values
 from proxy.ledger.repeats import Repeats
 
@@ -32,7 +32,7 @@ def json_state(raw: bytes | str) -> RunState:
     r = orjson.loads(raw)
     state = RunState(
         run_id=r[0], task=r[1], status=r[2], started_at=r[3], updated_at=r[4],
-        caps=RunCaps(r[5], r[6], r[7], r[8], r[9], max_repeats=r[23] if len(r) > 23 else None),
+        caps=stored_caps(r[5], r[6], r[7], r[8], r[9], None, None, r[23] if len(r) > 23 else None),
         spent_usd_nanos=r[10], input_tokens=r[11], output_tokens=r[12], steps=r[13],
         tool_calls_requested=r[14], tool_calls_executed=r[15], reserved_usd_nanos=r[16],
         reserved_tokens=r[17], final_reason=r[18], cancelled=r[19],

@@ -22,6 +22,9 @@ space too). Keys (all under `prefix`, default `runcap:`; every key of a tree exp
   inflight:{<root>}:<owner> set   members [run, key] (JSON) of the owner's in-flight calls
   unknown:{<root>}          zset  [run, key] of the tree's unknown records, by time
   tcs:{<root>}              zset  every record of the tree, by creation time (listing)
+  kids:{<root>}:<run>       zset  the run's children, by creation time (`get_run`'s ids): added
+                                  once per child with its pointer, apart from the run's state
+                                  that every call of its subtree writes
 
 Indexes written outside the scripts (single-key commands, each before the first script that
 writes under a tag), read by recovery, sweeps and listings:
@@ -112,6 +115,9 @@ class RedisKeys:
     def calls(self, root: str) -> str:
         """The index of a tree's records, by creation time (`tcs`)."""
         return f"{self.prefix}tcs:{{{root}}}"
+
+    def children(self, run_id: str, root: str) -> str:
+        return f"{self.prefix}kids:{{{root}}}:{run_id}"
 
     def owner_tags(self, owner: str) -> str:
         return f"{self.prefix}tags:{owner}"

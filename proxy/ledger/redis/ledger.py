@@ -179,14 +179,14 @@ class RedisLedger(base.Ledger):
         if not parent and (stored is None or not stored.ancestors):
             return stored or base.new_run(run_id, task, caps, now), []
         store = self._store
-        chain: list[tuple[str, base.RunState | None]]
+        chain: Chain
         if parent and (stored is None or stored.parent_run_id != parent):
             named = await store.read_run(parent, cached=cached)  # its root: from its pointer
             up = named[1]
-            chain = [named, *(await store.read_runs(up.ancestors, up.root, cached=cached) if up else ())]
+            chain = [named, *(await self._chain_of(up, cached=cached) if up else ())]
         else:
             assert stored is not None
-            chain = await store.read_runs(stored.ancestors, stored.root, cached=cached)
+            chain = await self._chain_of(stored, cached=cached)
         try:
             state = base.open_run(stored, [st for _, st in chain], run_id, task, caps, parent, now)
         except Rejection:
@@ -194,12 +194,21 @@ class RedisLedger(base.Ledger):
                 raise
             # Refused on this process's copies of the parent: decide again on what Redis holds.
             return await self._place(stored, run_id, task, caps, parent, now, cached=False)
-        self._trees.learn(state, [st for _, st in chain])
+        if state is not stored:
+            self._trees.learn(state, [st for _, st in chain])  # a new child's tree
         if stored is None and state.root != run_id:
             # A new child: found by its id through a pointer to its tree (store.py), written
             # before its state is.
-            await store.point(run_id, state.root)
+            await store.point(state)
         return state, chain
+
+    async def _chain_of(self, state: base.RunState, *, cached: bool) -> Chain:
+        """The run's ancestors as read (none for a root); their tree is learnt (`TreeLocks`)."""
+        if not state.ancestors:
+            return []
+        chain = await self._store.read_runs(state.ancestors, state.root, cached=cached)
+        self._trees.learn(state, [st for _, st in chain])
+        return chain
 
     async def _open(
         self, run_id: str, task: str, caps: RunCaps, parent: str, now: float, *, cached: bool
@@ -266,19 +275,14 @@ class RedisLedger(base.Ledger):
             if state is None:
                 self._liveness.live.pop(reservation.id, None)
                 raise KeyError(reservation.run_id)
-            chain: Chain = []
-            if state.ancestors:
-                chain = await self._store.read_runs(state.ancestors, state.root, cached=attempt == 0)
-            states = [st for _, st in chain]
-            if states:
-                self._trees.learn(state, states)
+            chain = await self._chain_of(state, cached=attempt == 0)
+            before = base.totals(state)
             if swept:
-                before = base.totals(state)
                 base.apply_unrecovery(
                     state, reservation.usd_nanos, reservation.input_tokens, reservation.output_tokens, now
                 )
-                base.propagate(before, state, states, now)
-            base.apply_tree_settlement(state, states, reservation, settlement, now)
+            base.apply_settlement(state, reservation, settlement, now)
+            base.propagate(before, state, [st for _, st in chain], now)  # its ancestors take the change
             write = self._store.settle_swept if swept else self._store.settle_reservation
             ok = await write(version, state, reservation.id, self.owner, chain)
             if ok == 1:
@@ -336,7 +340,10 @@ class RedisLedger(base.Ledger):
             return state
 
     async def get_run(self, run_id: str) -> base.RunState | None:
-        return (await self._store.read_run(run_id))[1]
+        state = (await self._store.read_run(run_id))[1]
+        if state is not None and state.children:
+            state.child_ids = await self._store.child_ids(state)
+        return state
 
     async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         state = await self._update(run_id, now, cancel=True)

@@ -37,7 +37,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from proxy.ledger.base import UNKNOWN, IdempotencyRecord, Reservation, RunState
+from proxy.ledger.base import CHILD_IDS_KEPT, UNKNOWN, IdempotencyRecord, Reservation, RunState
 from proxy.ledger.redis.codec import as_bytes, as_text, json_record, json_state, record_json, state_json
 from proxy.ledger.redis.keys import RedisKeys, member
 from proxy.ledger.redis.scripts import Scripts
@@ -217,16 +217,26 @@ class RedisStore:
         self.learn_root(run_id, root)
         return root
 
-    async def point(self, run_id: str, root: str) -> None:
-        """A child's pointer to its root at `run:{<run>}:<run>` (single-key: it is in another
-        slot than the tree). Written once, before the child's state."""
+    async def point(self, child: RunState) -> None:
+        """A new child's pointer to its root at `run:{<run>}:<run>` (single-key: it is in another
+        slot than the tree), and its place among its parent's children (`kids:`). Written once,
+        before the child's state (both idempotent: a retried creation adds nothing)."""
+        run_id, root, k = child.run_id, child.root, self.keys
         if root == run_id:
             return
+        kids = k.children(child.parent_run_id, root)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(self.keys.run(run_id), "p", root)
-        pipe.pexpire(self.keys.run(run_id), self.retention_ms)
+        pipe.hset(k.run(run_id), "p", root)
+        pipe.pexpire(k.run(run_id), self.retention_ms)
+        pipe.zadd(kids, {run_id: child.started_at}, nx=True)
+        pipe.pexpire(kids, self.retention_ms)
         await pipe.execute()
         self.learn_root(run_id, root)
+
+    async def child_ids(self, state: RunState) -> tuple[str, ...]:
+        """The first `CHILD_IDS_KEPT` children of the run, oldest first."""
+        kids = await self.r.zrange(self.keys.children(state.run_id, state.root), 0, CHILD_IDS_KEPT - 1)
+        return tuple(as_text(kid) for kid in kids if isinstance(kid, bytes | str))
 
     def _stale(self, done: dict[str, float], root: str) -> bool:
         at = done.get(root)

@@ -42,13 +42,18 @@ from proxy.ledger.sqlite.liveness import OwnerFiles
 from proxy.ledger.sqlite.schema import (
     SCHEMA,
     TOOL_COLUMNS,
+    add_change,
+    add_child,
+    child_ids,
+    load_ancestors,
     load_record,
     load_run,
-    load_runs,
     row_to_record,
     save_record,
     save_run,
+    save_run_changed,
     save_runs,
+    save_statuses,
     upgrade,
 )
 from proxy.ledger.sqlite.writer import Checkpointer, GroupCommit, transaction
@@ -117,40 +122,72 @@ class SQLiteLedger(base.Ledger):
         return self._writes.drain_in_doubt()
 
     # -- run trees: a run and its ancestors, read and written in the same transaction ----------
+    #
+    # A call of a sub-run reads its run, then what it checks of its ancestors (`load_ancestors`:
+    # one narrow statement), and writes its own row and, for its ancestors, only the change of its
+    # totals (`save_run_changed`: one narrow UPDATE) and a refusal's statuses — neither decoding
+    # nor re-encoding their rows. A new child's first call reads and writes its parent's chain
+    # whole (the parent counts it).
 
     def _open(
         self, run_id: str, task: str, caps: RunCaps, parent: str, now: float
-    ) -> tuple[base.RunState, list[base.RunState | None]]:
-        """The run (new or stored, placed in its tree: `base.open_run`) and its ancestors."""
+    ) -> tuple[base.RunState, list[base.RunState | None], bool]:
+        """The run (new or stored, placed in its tree: `base.open_run`), its ancestors, and
+        whether the chain is written in full (a new child: its parent counts it)."""
         db = self._db
-        state = load_run(db, run_id)
+        state, chain = self._chain_of(run_id)
         if not parent and (state is None or not state.ancestors):
-            return state or base.new_run(run_id, task, caps, now), []  # a root: one row
+            return state or base.new_run(run_id, task, caps, now), [], False  # a root: one row
         if parent and (state is None or state.parent_run_id != parent):
-            named = load_run(db, parent)
-            chain = [named, *load_runs(db, named.ancestors if named else ())]
-            return base.open_run(state, chain, run_id, task, caps, parent, now), chain
+            named = load_run(db, parent)  # whole: it counts its new child
+            chain = [named, *(load_ancestors(db, named.ancestors) if named and named.ancestors else ())]
+            child = base.open_run(state, chain, run_id, task, caps, parent, now)
+            return child, chain, True
         assert state is not None
-        return state, load_runs(db, state.ancestors)
-
-    def _save_chain(self, state: base.RunState, chain: list[base.RunState | None]) -> None:
-        if chain:
-            save_runs(self._db, [state, *chain])
-        else:
-            save_run(self._db, state)
+        return state, chain, False
 
     def _chain_of(self, run_id: str) -> tuple[base.RunState | None, list[base.RunState | None]]:
+        """The run and what its calls check of its ancestors (`load_ancestors`; none for a root)."""
         state = load_run(self._db, run_id)
         if state is None or not state.ancestors:
             return state, []
-        return state, load_runs(self._db, state.ancestors)
+        return state, load_ancestors(self._db, state.ancestors)
+
+    def _save_chain(
+        self,
+        state: base.RunState,
+        chain: Sequence[base.RunState | None],
+        before: base.Totals,
+        now: float,
+        *,
+        whole: bool = False,
+        refused: bool = False,
+    ) -> None:
+        """The run, and what the call changed in its ancestors: the change of the run's totals
+        since `before` added to theirs (what `base.propagate` did to `chain`, which is not
+        written) and, when the call was `refused`, their statuses (the ancestor whose cap binds).
+        `whole`: the run is a new child, and its parent (`chain[0]`, read whole) is written whole
+        (it counts its child) with the child indexed under it."""
+        db, narrow = self._db, chain
+        if whole and chain:
+            save_runs(db, [state, chain[0]])
+            add_child(db, state)
+            add_change(db, state.ancestors[1:], base.change(before, state), now)
+            narrow = chain[1:]
+        else:
+            save_run_changed(db, state, before, now)
+        if refused:
+            save_statuses(db, narrow)
 
     def _begin_step(self, req: base.StepRequest) -> base.Reservation:
-        state, chain = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
+        state, chain, whole = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
+        before = base.totals(state)
         try:
             res = base.decide_step(state, req, chain)
-        finally:
-            self._save_chain(state, chain)  # a rejection changed the run's status too
+        except Rejection:
+            self._save_chain(state, chain, before, req.now, whole=whole, refused=True)
+            raise
+        self._save_chain(state, chain, before, req.now, whole=whole)
         self._db.execute(
             "INSERT INTO reservations (id, run_id, owner, usd, input_tokens, output_tokens, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -168,9 +205,11 @@ class SQLiteLedger(base.Ledger):
             ).rowcount
             == 0
         )
-        state, chain = self._chain_of(reservation.run_id)
+        # A settlement changes its ancestors only by its totals: they are not read.
+        state = load_run(db, reservation.run_id)
         if state is None:
             raise KeyError(reservation.run_id)
+        before = base.totals(state)
         swept = None
         if gone:
             swept = db.execute(
@@ -182,11 +221,9 @@ class SQLiteLedger(base.Ledger):
             # A sweep charged it at its reserved amount (this process was thought dead): the
             # real usage replaces that charge — never charged twice, never left at the guess.
             usd, tin, tout = swept
-            before = base.totals(state)
             base.apply_unrecovery(state, usd, tin, tout, now)
-            base.propagate(before, state, chain, now)
-            base.apply_tree_settlement(state, chain, reservation, settlement, now)
-            self._save_chain(state, chain)
+            base.apply_settlement(state, reservation, settlement, now)
+            self._save_chain(state, (), before, now)
             log.warning(
                 "reservation %s of run %s had been charged at its reserved amount by a sweep; "
                 "now settled at its real usage", reservation.id, reservation.run_id,
@@ -194,21 +231,27 @@ class SQLiteLedger(base.Ledger):
         elif gone:
             log.warning("reservation %s of run %s was already settled", reservation.id, reservation.run_id)
         else:
-            base.apply_tree_settlement(state, chain, reservation, settlement, now)
-            self._save_chain(state, chain)
+            base.apply_settlement(state, reservation, settlement, now)
+            self._save_chain(state, (), before, now)
         return state
 
     def _touch_run(self, run_id: str, task: str, caps: RunCaps, now: float, parent: str) -> base.RunState:
-        opened, chain = self._open(run_id, task, caps, parent, now)
-        state = base.touched_run(opened, run_id, task, caps, now)
+        state, chain, whole = self._open(run_id, task, caps, parent, now)
+        before = base.totals(state)
+        state = base.touched_run(state, run_id, task, caps, now)
         try:
             base.check_touched(state, chain, now)
-        finally:
-            self._save_chain(state, chain)  # a new child counted in its parent too
+        except Rejection:
+            self._save_chain(state, chain, before, now, whole=whole, refused=True)
+            raise
+        self._save_chain(state, chain, before, now, whole=whole)  # a new child counted in its parent too
         return state
 
     async def get_run(self, run_id: str) -> base.RunState | None:
-        return load_run(self._db, run_id)
+        state = load_run(self._db, run_id)
+        if state is not None and state.children:
+            state.child_ids = child_ids(self._db, run_id)
+        return state
 
     async def cancel(self, run_id: str, now: float) -> base.RunState | None:
         return self._update(run_id, now, cancel=True)
@@ -286,17 +329,18 @@ class SQLiteLedger(base.Ledger):
 
     async def begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
         with transaction(self._db) as db:
-            state, chain = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
+            state, chain, whole = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
+            before = base.totals(state)
             record = load_record(self._db, req.run_id, req.key) if req.key is not None else None
             alive = record is not None and record.state == base.IN_FLIGHT and self._owners.alive(record.owner)
             try:
                 start = base.decide_tool_call(state, record, req, self.owner, alive, chain)
             except Rejection:
-                self._save_chain(state, chain)
+                self._save_chain(state, chain, before, req.now, whole=whole, refused=True)
                 if record is not None:  # e.g. a dead owner's in-flight record, now unknown
                     save_record(db, record)
                 raise
-            self._save_chain(state, chain)
+            self._save_chain(state, chain, before, req.now, whole=whole)
             if start.action == "execute" and start.record is not None:
                 save_record(db, start.record)
             return start
@@ -362,14 +406,13 @@ class SQLiteLedger(base.Ledger):
             else:
                 # It did not happen: the next attempt executes, and this one is not counted.
                 db.execute("DELETE FROM tool_calls WHERE run_id = ? AND key = ?", (run_id, key))
-                state, chain = self._chain_of(run_id)
+                state = load_run(db, run_id)
                 if state is not None and state.tool_calls_executed > 0:
                     before = base.totals(state)
                     state.tool_calls_executed -= 1
                     # argMax(updated_at) picks the newest
                     state.updated_at = max(state.updated_at, verdict.now)
-                    base.propagate(before, state, chain, verdict.now)
-                    self._save_chain(state, chain)
+                    self._save_chain(state, (), before, verdict.now)
             return record
 
     async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from proxy.ledger.base import RecoveredReservation, apply_recovery, propagate, totals
-from proxy.ledger.sqlite.schema import load_run, load_runs, save_runs
+from proxy.ledger.base import RecoveredReservation, apply_recovery, totals
+from proxy.ledger.sqlite.schema import load_run, save_run_changed
 from proxy.ledger.sweep import DIED, log_turned_unknown
 
 
@@ -43,12 +43,10 @@ def settle_owner(db: sqlite3.Connection, owner: str, now: float) -> list[Recover
     for rid, run_id, usd, tin, tout in rows:
         state = load_run(db, run_id)
         if state is not None:
-            # The whole chain: what the reservation held in its ancestors' subtree totals too.
-            chain = load_runs(db, state.ancestors)
+            # What the reservation held in its ancestors' subtree totals moves there too.
             before = totals(state)
             apply_recovery(state, usd, tin, tout, now)
-            propagate(before, state, chain, now)
-            save_runs(db, [state, *chain])
+            save_run_changed(db, state, before, now)
         out.append(RecoveredReservation(run_id, rid, usd, tin + tout))
     db.execute(
         "INSERT OR REPLACE INTO swept_reservations SELECT owner, id, run_id, usd, "
@@ -73,6 +71,7 @@ def purge(db: sqlite3.Connection, cutoff: float) -> int:
         (cutoff,),
     ).rowcount
     n += db.execute("DELETE FROM swept_reservations WHERE swept_at < ?", (cutoff,)).rowcount
+    db.execute("DELETE FROM run_children WHERE parent NOT IN (SELECT run_id FROM runs)")
     return n
 
 

@@ -9,13 +9,25 @@ composite primary key (run_id, key): no two (run, key) pairs share a row, whatev
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.caps import RunCaps
-from proxy.ledger.base import IdempotencyRecord, RunState, load_tree_values, tree_values
+from proxy.caps import stored_caps
+from proxy.ledger.base import (
+    CHILD_IDS_KEPT,
+    SUB_TOTALS,
+    TREE_CAPS_AT,
+    IdempotencyRecord,
+    RunState,
+    Totals,
+    change,
+    load_tree_values,
+    partial_state,
+    tree_values,
+)
 from proxy.ledger.repeats import Repeats
 
 SCHEMA = """
@@ -72,6 +84,14 @@ CREATE TABLE IF NOT EXISTS swept_reservations (
     swept_at REAL NOT NULL,
     PRIMARY KEY (owner, id)
 ) WITHOUT ROWID;
+-- A run tree's children, by parent, in the order they were created (`GET /runs`' ids): written
+-- once per child, apart from the parent's row that every call of its subtree updates.
+CREATE TABLE IF NOT EXISTS run_children (
+    parent TEXT NOT NULL,
+    child TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (parent, child)
+) WITHOUT ROWID;
 -- One row per live process, rewritten by each readiness check: proves the file takes writes.
 CREATE TABLE IF NOT EXISTS probe (owner TEXT PRIMARY KEY, at REAL NOT NULL) WITHOUT ROWID;
 -- Provider objects (files, stored responses, batches...) and the tenant that created each, for
@@ -85,6 +105,11 @@ CREATE TABLE IF NOT EXISTS provider_objects (
 ) WITHOUT ROWID;
 """
 
+# A run's subtree totals (`base.SUB_TOTALS`, in `base.Totals`' order), each a column (see `tree` below).
+SUB_COLUMNS = (
+    "sub_usd", "sub_reserved_usd", "sub_tokens", "sub_reserved_tokens", "sub_steps", "sub_tool_calls"
+)  # fmt: skip
+
 # Columns added since the first release — to a new file as to an older one (`upgrade`). A row
 # written before they were has method '' (IdempotencyRecord: its operation beyond the tool is not known).
 ADDED_COLUMNS = {
@@ -95,8 +120,12 @@ ADDED_COLUMNS = {
         ("max_repeats", "INTEGER"),
         ("repeats", "TEXT NOT NULL DEFAULT ''"),
         # Run trees (issue 22), one JSON array ('' for a run in no tree: a row written before reads
-        # as a root, and a root pays one empty column, not fourteen): see `_tree_json`.
+        # as a root, and a root pays one empty column, not fourteen): see `_tree_columns`.
         ("tree", "TEXT NOT NULL DEFAULT ''"),
+        # ... but for the subtree totals (`base.SUB_TOTALS` of that array), which every call of a
+        # descendant changes: in columns of their own, so that one narrow UPDATE adds a call's
+        # change to all its ancestors (`save_run_changed`) without reading or re-encoding them.
+        *((name, "INTEGER NOT NULL DEFAULT 0") for name in SUB_COLUMNS),
     ),
     "tool_calls": (
         ("method", "TEXT NOT NULL DEFAULT ''"),
@@ -131,9 +160,9 @@ COLUMNS = (
     "run_id, task, status, started_at, updated_at, max_usd, max_tokens, max_steps, max_tool_calls, "
     "deadline, spent_usd, input_tokens, output_tokens, steps, tool_calls_requested, "
     "tool_calls_executed, reserved_usd, reserved_tokens, final_reason, cancelled, operator_caps, "
-    "context_baseline, upstream_failures, max_repeats, repeats, tree"
+    "context_baseline, upstream_failures, max_repeats, repeats, tree, " + ", ".join(SUB_COLUMNS)
 )
-UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 26)})"
+UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 32)})"
 
 
 def row_to_state(row: tuple[Any, ...]) -> RunState:
@@ -143,7 +172,7 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         status=row[2],
         started_at=row[3],
         updated_at=row[4],
-        caps=RunCaps(row[5], row[6], row[7], row[8], row[9], max_repeats=row[23]),
+        caps=stored_caps(row[5], row[6], row[7], row[8], row[9], None, None, row[23]),
         spent_usd_nanos=row[10],
         input_tokens=row[11],
         output_tokens=row[12],
@@ -160,7 +189,9 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         repeats=Repeats.from_json(row[24]),
     )
     if row[25]:
-        _load_tree(state, row[25])
+        t = json.loads(row[25])
+        t[SUB_TOTALS.start : SUB_TOTALS.start] = row[26:32]
+        load_tree_values(state, t)
     return state
 
 
@@ -172,33 +203,96 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
         s.operator_caps, s.context_baseline, s.upstream_failures, c.max_repeats, s.repeats.to_json(),
-        _tree_json(s),
+        *_tree_columns(s),
     )  # fmt: skip
 
 
-def _tree_json(s: RunState) -> str:
-    """A run tree's fields as one JSON array; '' for a run in no tree (and without tree caps)."""
+_NO_TREE = ("", 0, 0, 0, 0, 0, 0)
+
+
+def _tree_columns(s: RunState) -> tuple[Any, ...]:
+    """A run's tree fields: the JSON array of `tree_values` without the subtree totals, then
+    those ('' and zeros for a run in no tree and without tree caps)."""
     values = tree_values(s)
-    return json.dumps(values) if values else ""
-
-
-def _load_tree(state: RunState, raw: str) -> None:
-    load_tree_values(state, json.loads(raw))
-
-
-def load_runs(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
-    """Several runs (a run's ancestors) in one statement, in the order asked."""
-    if not run_ids:
-        return []
-    rows = db.execute(
-        f"SELECT {COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * len(run_ids))})", tuple(run_ids)
-    ).fetchall()
-    found = {row[0]: row_to_state(row) for row in rows}
-    return [found.get(run_id) for run_id in run_ids]
+    if not values:
+        return _NO_TREE
+    subs = values[SUB_TOTALS]
+    del values[SUB_TOTALS]
+    return (json.dumps(values), *subs)
 
 
 def save_runs(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:
     db.executemany(UPSERT, [state_to_row(s) for s in states if s is not None])
+
+
+@functools.cache
+def _add_to_ancestors(n: int) -> str:
+    """The statement adding a change to `n` ancestors (made once per depth)."""
+    added = ", ".join(f"{name} = {name} + ?" for name in SUB_COLUMNS)
+    return f"UPDATE runs SET {added}, updated_at = MAX(updated_at, ?) WHERE run_id IN ({', '.join('?' * n)})"
+
+
+# What a call of a sub-run checks of each ancestor (`base._tree_view`, `check_tree_live`, and a new
+# child's `open_run` beyond its parent): its dollar, token, depth and tree caps, deadline, totals,
+# subtree totals, status and cancel flag. The tree
+# caps are read out of the `tree` array (`base.tree_values` less the subtree totals).
+TREE_CAPS = ("max_depth", "max_tree_steps", "max_tree_tool_calls")
+_TREE_CAP_AT = {cap: at - (SUB_TOTALS.stop - SUB_TOTALS.start) for cap, at in TREE_CAPS_AT.items()}
+_ANCESTOR_COLUMNS = (
+    "run_id, status, cancelled, max_usd, max_tokens, deadline, spent_usd, input_tokens, output_tokens, "
+    "steps, tool_calls_requested, tool_calls_executed, reserved_usd, reserved_tokens, "
+    + ", ".join(SUB_COLUMNS)
+    + "".join(f", json_extract(tree, '$[{_TREE_CAP_AT[c]}]')" for c in TREE_CAPS)
+)
+
+
+_ancestor = partial_state(
+    (
+        "run_id", "status", "cancelled", "caps", "spent_usd_nanos", "input_tokens", "output_tokens", "steps",
+        "tool_calls_requested", "tool_calls_executed", "reserved_usd_nanos", "reserved_tokens",
+        "sub_spent_usd_nanos", "sub_reserved_usd_nanos", "sub_tokens", "sub_reserved_tokens", "sub_steps",
+        "sub_tool_calls", "repeats",
+    )
+)  # fmt: skip
+# An ancestor's repeats are never read by a call of its descendant (nor changed: the rules copy a
+# window before they change it), so the partial states share one empty window.
+_NO_REPEATS = Repeats()
+
+
+def load_ancestors(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
+    """A run's ancestors as a call of the run checks them, in one narrow statement: partial
+    states (no task, tree links, repeats...), so never saved whole — what a call changes in them
+    is written by `save_run_changed` (their subtree totals) and `save_statuses`."""
+    rows = db.execute(
+        f"SELECT {_ANCESTOR_COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * len(run_ids))})",
+        tuple(run_ids),
+    ).fetchall()
+    found = {}
+    for r in rows:
+        caps = stored_caps(r[3], r[4], None, None, r[5], None, None, None, r[20], None, r[21], r[22])
+        found[r[0]] = _ancestor(r[0], r[1], bool(r[2]), caps, *r[6:20], _NO_REPEATS)
+    return [found.get(run_id) for run_id in run_ids]
+
+
+def save_statuses(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:
+    """The status of each of `states` (a refusal names the ancestor whose cap binds)."""
+    db.executemany(
+        "UPDATE runs SET status = ? WHERE run_id = ?", [(s.status, s.run_id) for s in states if s is not None]
+    )
+
+
+def save_run_changed(db: sqlite3.Connection, state: RunState, before: Totals, now: float) -> None:
+    """The run, and what changed in its totals since `before` added to its ancestors'."""
+    save_run(db, state)
+    add_change(db, state.ancestors, change(before, state), now)
+
+
+def add_change(db: sqlite3.Connection, ancestors: Sequence[str], delta: Totals | None, now: float) -> None:
+    """`delta` added to each of `ancestors`' subtree totals, and their `updated_at` moved to `now` —
+    `base.propagate` as one narrow statement, the ancestors neither read nor re-encoded (one that
+    expired has no row: nothing to add to, as in `propagate`)."""
+    if delta is not None and ancestors:
+        db.execute(_add_to_ancestors(len(ancestors)), (*delta, now, *ancestors))
 
 
 def upgrade(db: sqlite3.Connection) -> None:
@@ -209,6 +303,38 @@ def upgrade(db: sqlite3.Connection) -> None:
         for name, decl in columns:
             if name not in have:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+        if table == "runs" and SUB_COLUMNS[0] not in have:
+            _move_sub_totals(db)
+
+
+def _move_sub_totals(db: sqlite3.Connection) -> None:
+    """Rows written while the subtree totals were in the `tree` array: moved to their columns."""
+    rows = db.execute("SELECT run_id, tree FROM runs WHERE tree != ''").fetchall()
+    for run_id, raw in rows:
+        t = json.loads(raw)
+        subs = t[SUB_TOTALS]
+        del t[SUB_TOTALS]
+        db.execute(
+            f"UPDATE runs SET tree = ?, {', '.join(f'{n} = ?' for n in SUB_COLUMNS)} WHERE run_id = ?",
+            (json.dumps(t), *subs, run_id),
+        )
+
+
+def add_child(db: sqlite3.Connection, child: RunState) -> None:
+    """A new child, indexed under its parent."""
+    db.execute(
+        "INSERT OR IGNORE INTO run_children (parent, child, created_at) VALUES (?, ?, ?)",
+        (child.parent_run_id, child.run_id, child.started_at),
+    )
+
+
+def child_ids(db: sqlite3.Connection, parent: str) -> tuple[str, ...]:
+    """The first `CHILD_IDS_KEPT` children of `parent`, oldest first."""
+    rows = db.execute(
+        "SELECT child FROM run_children WHERE parent = ? ORDER BY created_at, child LIMIT ?",
+        (parent, CHILD_IDS_KEPT),
+    ).fetchall()
+    return tuple(r[0] for r in rows)
 
 
 def load_run(db: sqlite3.Connection, run_id: str) -> RunState | None:

@@ -170,10 +170,9 @@ async def test_every_script_touches_one_slot(ledgers) -> None:  # type: ignore[n
     await a.complete_tool_call("root", "k1", 200, {}, b"ok", time.time())  # set_tool
     await a.mark_unknown("root", "nothing", time.time())
     # A child of `root`: its state under the root's tag, found by its id through its pointer.
-    await a._store.point("child", "root")
-    await a._store.cas_run(
-        "", RunState("child", parent_run_id="root", root_run_id="root", started_at=time.time())
-    )
+    child = RunState("child", parent_run_id="root", root_run_id="root", started_at=time.time())
+    await a._store.point(child)
+    await a._store.cas_run("", child)
     res = await a.begin_step(step("child", RunCaps(max_usd_nanos=USD)))
     assert (await b.get_run("child")).steps == 1
     await b.begin_tool_call(tool("child", "k2"))

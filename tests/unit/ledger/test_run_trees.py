@@ -5,15 +5,30 @@ an ancestor lets its stopped descendants go on, recovery settles the whole chain
 from __future__ import annotations
 
 import asyncio
+import json
+import sqlite3
 import time
+from dataclasses import fields
 
 import orjson
 import pytest
 
 from proxy.caps import RunCaps
 from proxy.errors import BudgetExceeded, DeadlineExceeded, InvalidRequest, RunCancelled
-from proxy.ledger.base import ANCESTOR_STOPPED, Ledger, Reservation, RunState, Settlement
+from proxy.ledger.base import (
+    ANCESTOR_STOPPED,
+    SUB_TOTALS,
+    Ledger,
+    Reservation,
+    RunState,
+    Settlement,
+    copy_state,
+    partial_state,
+    propagate,
+    totals,
+)
 from proxy.ledger.redis.codec import json_state, state_json
+from proxy.ledger.sqlite.schema import SUB_COLUMNS
 from tests.support.ledgers import USD, die, step, tool
 
 CENT = USD // 100
@@ -333,3 +348,112 @@ def test_a_tree_refusal_keeps_the_status_its_cap_gives() -> None:
 
     _tree_rejection(child, parent, StepsExceeded("max_steps", "x"))
     assert parent.status == "steps_exceeded" and child.status == ANCESTOR_STOPPED
+
+
+# -- what a call of a sub-run reads and writes of its ancestors (issue 22, Performance) ----------
+
+
+async def test_children_are_listed_in_order_from_an_index_their_calls_do_not_carry(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "p")
+    for kid in ("k2", "k1", "k3"):
+        await call(led, kid, parent="p")
+        await call(led, kid)  # its later calls add no second entry
+    parent = await run(led, "p")
+    assert parent.child_ids == ("k2", "k1", "k3") and parent.children == 3
+    # A call of a child gets its own state: the parent's ids are not in the chain it moves.
+    res = await led.begin_step(step("k1", NO_CAPS))
+    assert res.state.child_ids == ()
+    await led.settle(res, full(res), time.time())
+    assert (await run(led, "k1")).child_ids == ()  # no children of its own
+
+
+async def test_a_refused_call_records_its_ancestors_status_and_a_settlement_reaches_them(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "top", RunCaps(max_usd_nanos=CENT))
+    await call(led, "mid", parent="top")
+    await call(led, "leaf", parent="mid")  # $0.0009 of the top's $0.01 spent: not a big call's input
+    top, mid, leaf = [await run(led, r) for r in ("top", "mid", "leaf")]
+    assert top.sub_spent_usd_nanos == mid.spent_usd_nanos + leaf.spent_usd_nanos
+    assert mid.sub_spent_usd_nanos == leaf.spent_usd_nanos
+    with pytest.raises(BudgetExceeded):
+        await led.begin_step(step("leaf", NO_CAPS, input_tokens=BIG, output=BIG))
+    assert (await run(led, "top")).status == "budget_exceeded"
+    assert (await run(led, "leaf")).status == ANCESTOR_STOPPED
+    assert (await run(led, "mid")).status != "budget_exceeded"  # its own cap did not bind
+    # The refusal wrote statuses only: the ancestors' totals are what they were.
+    assert (await run(led, "top")).sub_spent_usd_nanos == top.sub_spent_usd_nanos
+    assert (await run(led, "top")).sub_reserved_usd_nanos == 0
+
+
+def test_a_state_copy_and_a_partial_state_take_every_field() -> None:
+    state = RunState("r", task="t", caps=RunCaps(max_steps=3), steps=2, ancestors=("a",), sub_steps=4)
+    copy = copy_state(state)
+    assert copy == state and copy is not state
+    names = [f.name for f in fields(RunState)]
+    values = [getattr(state, n) for n in names]
+    assert partial_state(names)(*values) == state
+    part = partial_state(("run_id", "sub_steps"))("x", 7)
+    assert part == RunState("x", sub_steps=7)
+
+
+async def test_a_sqlite_file_with_subtree_totals_in_the_tree_array_is_upgraded(make_ledger, tmp_path):  # type: ignore[no-untyped-def]
+    if make_ledger.backend != "sqlite":
+        pytest.skip("SQLite's columns")
+    led = make_ledger()
+    await call(led, "p")
+    await call(led, "k", parent="p")
+    await call(led, "g", parent="k")
+    before = {r: await run(led, r) for r in ("p", "k", "g")}
+    await led.close()
+    # The file as runcap wrote it while the totals were in the array (and the ids of children after it).
+    db = sqlite3.connect(tmp_path / "ledger.sqlite3")
+    rows = db.execute(f"SELECT run_id, tree, {', '.join(SUB_COLUMNS)} FROM runs").fetchall()
+    for run_id, tree, *subs in rows:
+        t = json.loads(tree)
+        t[SUB_TOTALS.start : SUB_TOTALS.start] = subs
+        db.execute("UPDATE runs SET tree = ? WHERE run_id = ?", (json.dumps([*t, ["x"]]), run_id))
+    for name in SUB_COLUMNS:
+        db.execute(f"ALTER TABLE runs DROP COLUMN {name}")
+    db.commit()
+    db.close()
+    led = make_ledger()
+    for run_id, was in before.items():
+        now = await run(led, run_id)
+        assert (now.ancestors, now.children, now.sub_spent_usd_nanos, now.sub_steps) == (
+            was.ancestors, was.children, was.sub_spent_usd_nanos, was.sub_steps,
+        )  # fmt: skip
+    assert before["p"].sub_steps == 2
+    g = await call(led, "g")  # and the totals go on from there
+    added = g.spent_usd_nanos - before["g"].spent_usd_nanos
+    assert added > 0 and (await run(led, "p")).sub_spent_usd_nanos == before["p"].sub_spent_usd_nanos + added
+
+
+def test_propagate_adds_the_change_of_each_total_to_every_ancestor() -> None:
+    state = RunState("c", spent_usd_nanos=5, reserved_usd_nanos=7, input_tokens=1, output_tokens=2,
+                     reserved_tokens=3, steps=4, tool_calls_requested=1, tool_calls_executed=2)  # fmt: skip
+    before = totals(state)
+    state.spent_usd_nanos += 10
+    state.reserved_usd_nanos -= 7
+    state.input_tokens += 20
+    state.output_tokens += 30
+    state.reserved_tokens -= 3
+    state.steps += 1
+    state.tool_calls_executed += 3  # tool calls: the max of requested and executed, 2 -> 5
+    held = (100, 20, 1000, 30, 9, 2)  # what the parent's subtree held already
+    parent = RunState("p", updated_at=50.0)
+    (
+        parent.sub_spent_usd_nanos, parent.sub_reserved_usd_nanos, parent.sub_tokens,
+        parent.sub_reserved_tokens, parent.sub_steps, parent.sub_tool_calls,
+    ) = held  # fmt: skip
+    root = RunState("r", updated_at=70.0)
+    propagate(before, state, [parent, None, root], 60.0)
+    for node, had in ((parent, held), (root, (0,) * 6)):
+        subs = (
+            node.sub_spent_usd_nanos, node.sub_reserved_usd_nanos, node.sub_tokens,
+            node.sub_reserved_tokens, node.sub_steps, node.sub_tool_calls,
+        )  # fmt: skip
+        assert subs == tuple(h + d for h, d in zip(had, (10, -7, 50, -3, 1, 3), strict=True))
+    assert (parent.updated_at, root.updated_at) == (60.0, 70.0)  # the newest wins
+    propagate(totals(state), state, [parent], 99.0)  # nothing changed: nothing moves
+    assert parent.updated_at == 60.0
