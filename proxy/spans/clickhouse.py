@@ -29,9 +29,10 @@ the read CLI through the shipper's socket — reads through `ClickHouseSink.quer
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import date, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from ipaddress import IPv4Address, IPv6Address
 from operator import attrgetter
@@ -41,12 +42,13 @@ from urllib.parse import unquote, urlsplit
 from uuid import UUID
 
 import clickhouse_connect
+import orjson
 from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 
 from proxy.config import redact_url
 from proxy.spans.migrate import apply_migrations
 from proxy.spans.model import RunSnapshot, Span
-from proxy.spans.records import RUN_FIELDS, SPAN_FIELDS
+from proxy.spans.records import RUN_FIELDS, SPAN_FIELDS, json_lines
 from proxy.spans.sink import SinkError
 from proxy.spans.sqlguard import QueryRefused, check_read_query
 
@@ -109,6 +111,7 @@ RUN_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 EMBEDDED_SUBDIR = "clickhouse"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class SpanStoreError(Exception):
@@ -161,6 +164,8 @@ class ClickHouseSink:
         self._spans = _Table(database, "spans", SPAN_COLUMNS)
         self._runs = _Table(database, "runs", RUN_COLUMNS)
         self._closed = False
+        # In the tokens of resumed batches (`write_jsonl`): never one a dead shipper may have left
+        self._session = secrets.token_hex(8)
         # Deduplication on, whatever the user profile says: `insert_deduplicate` up to ClickHouse
         # 25.x, `deduplicate_insert` (which supersedes it) where the server has it.
         self._dedup_settings: dict[str, Any] = {"insert_deduplicate": 1}
@@ -188,23 +193,34 @@ class ClickHouseSink:
                 if records:
                     self._insert(table, records, batch_id)
 
-    def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
+    def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str, *, resumed: bool = False) -> None:
         """Insert one batch given as JSON lines of values (`JSONCompactEachRow`, in the order of
         records.SPAN_FIELDS / RUN_FIELDS), as the WAL holds them (proxy/spans/records.py):
         ClickHouse parses them, no Python per value. The same per-table deduplication tokens as
-        `write`."""
+        `write`.
+
+        `resumed`: the batch was in flight when the shipper died, so its token may be on record
+        without its rows — a non-replicated MergeTree writes the token to its deduplication log
+        just before it commits the part, and a `kill -9` between the two leaves the token and
+        no part, so a repeat under that token would be dropped and the batch lost. Then the rows
+        already in the table are left out and the rest goes in under a token of this sink's own
+        (`_missing_lines`)."""
         with self._batch(batch_id):
             for table, columns, data in (
                 (self._spans, SPAN_FIELDS, spans),
                 (self._runs, RUN_FIELDS, runs),
             ):
+                token = f"{batch_id}:{table.name}"
+                if data and resumed:
+                    data = self._missing_lines(table, data)
+                    token = f"{token}:{self._session}"
                 if data:
                     self._writer.raw_insert(
                         table.qualified,
                         columns,
                         data,
                         settings={
-                            "insert_deduplication_token": f"{batch_id}:{table.name}",
+                            "insert_deduplication_token": token,
                             **self._dedup_settings,
                             # RFC 3339 times with a zone (`...Z`)
                             "date_time_input_format": "best_effort",
@@ -215,6 +231,30 @@ class ClickHouseSink:
                         },
                         fmt="JSONCompactEachRow",
                     )
+
+    def _missing_lines(self, table: _Table, data: bytes) -> bytes:
+        """The lines of `data` whose row is not in `table` yet: a span by (run_id, span_id), a
+        run snapshot by (run_id, updated_at) — an older snapshot than the one stored is harmless
+        (ReplacingMergeTree keeps the newest)."""
+        key_field = "span_id" if table is self._spans else "updated_at"
+        fields = SPAN_FIELDS if table is self._spans else RUN_FIELDS
+        run_at, key_at = fields.index("run_id"), fields.index(key_field)
+        lines = json_lines(data)
+        keys = []
+        for line in lines:
+            values = orjson.loads(line)
+            key = values[key_at]
+            if key_field == "updated_at":  # as ClickHouse stores it: microseconds since the epoch
+                moment = datetime.fromisoformat(key)
+                key = (moment - _EPOCH) // timedelta(microseconds=1)
+            keys.append((values[run_at], key))
+        expression = "span_id" if key_field == "span_id" else "toUnixTimestamp64Micro(updated_at)"
+        stored = self._writer.query(
+            f"SELECT run_id, {expression} FROM {table.qualified} WHERE run_id IN {{runs:Array(String)}}",
+            parameters={"runs": sorted({run for run, _ in keys})},
+        ).result_rows
+        present = {(run, key) for run, key in stored}
+        return b"".join(line + b"\n" for line, key in zip(lines, keys, strict=True) if key not in present)
 
     def _insert(self, table: _Table, records: Sequence[object], batch_id: str) -> None:
         self._writer.insert(

@@ -15,7 +15,9 @@ the batch's bounds (segment, first offset, last offset) to its cursor file (fsyn
 then ships it; it retries with backoff until the sink takes it, and then advances. A batch retried
 after a crash is rebuilt from the bounds on file, so it holds the same records: the ClickHouse
 lane sends `{segment}:{first}:{last}` as the insert deduplication token and the engine drops a
-repeat — exactly once per record. Payloads are deduplicated by hash (within a batch, and against
+repeat — exactly once per record. The one batch in flight at a crash goes again marked `resumed`:
+a `kill -9` can leave its token on record without its rows, so the sink then inserts just the
+rows it does not hold (ClickHouseSink.write_jsonl). Payloads are deduplicated by hash (within a batch, and against
 the hashes stored lately) before they are uploaded; a repeat is harmless anyway (same key, same
 bytes). OTLP receivers do not deduplicate: that lane is at-least-once.
 
@@ -72,9 +74,11 @@ class WalBatch:
         records: Sequence[StepRecord | None],
         *,
         full: bool = False,
+        resumed: bool = False,
     ) -> None:
         self.segment = segment
         self.full = full  # cut at a batch limit: more records follow right behind
+        self.resumed = resumed  # in flight when a shipper died: what the sink holds is unknown
         self.first = frames[0].offset
         self.last = frames[-1].offset
         self.end = frames[-1].end
@@ -157,7 +161,7 @@ def span_delivery(sink: SpanSink) -> Delivery:
         if write_jsonl is not None:
             spans_jsonl, runs_jsonl = batch.spans_jsonl(), batch.runs_jsonl()
             if spans_jsonl or runs_jsonl:
-                write_jsonl(spans_jsonl, runs_jsonl, batch.token)
+                write_jsonl(spans_jsonl, runs_jsonl, batch.token, resumed=batch.resumed)
             return 0
         spans, runs = batch.spans(), batch.runs()
         if spans or runs:
@@ -325,7 +329,7 @@ class _Lane:
                     )
                 self._save(sync=True)
                 return
-        self._ship(WalBatch(pending.segment, frames, self._decode(frames)), pending)
+        self._ship(WalBatch(pending.segment, frames, self._decode(frames), resumed=True), pending)
 
     # -- cutting batches ----------------------------------------------------------------------------
 

@@ -68,8 +68,8 @@ class LazySink:
     def write(self, spans: Sequence[Span], runs: Sequence[RunSnapshot], batch_id: str) -> None:
         self.get().write(spans, runs, batch_id)
 
-    def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
-        self.get().write_jsonl(spans, runs, batch_id)
+    def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str, *, resumed: bool = False) -> None:
+        self.get().write_jsonl(spans, runs, batch_id, resumed=resumed)
 
     def query(self, sql: str, params: dict[str, Any] | None = None) -> Any:
         return self.get().query(sql, params)

@@ -320,6 +320,63 @@ def test_same_batch_twice_adds_no_rows(store):
     assert store.count("SELECT count() FROM runcap.runs") == 2
 
 
+def jsonl_batch(n: int, run: str = "run-a", offset: int = 0) -> tuple[bytes, bytes]:
+    """A batch as the shipper sends it: the JSON lines of a WAL record."""
+    from proxy.spans.records import StepRecord, encode_step
+
+    record = StepRecord(memoryview(b"".join(encode_step(*make_batch(n, run, offset), []))))
+    return bytes(record.spans_jsonl), bytes(record.runs_jsonl)
+
+
+def test_a_resumed_batch_fills_in_what_is_missing_and_adds_nothing_twice(store):
+    """A batch in flight when the shipper died is sent again with `resumed`: rows already in a
+    table are not inserted again (whatever the token), the missing ones are."""
+    spans, runs = jsonl_batch(6)
+    store.sink.write_jsonl(spans[: spans.index(b"\n") + 1], b"", "seg:1:9")  # one span landed
+    store.restart()
+    for _ in range(2):  # resumed twice: a second crash, or a retry after a lost answer
+        store.sink.write_jsonl(spans, runs, "seg:1:9", resumed=True)
+        assert store.count("SELECT count() FROM runcap.spans") == 6
+        assert store.count("SELECT count() FROM runcap.runs") == 1
+        store.restart()
+    # an older snapshot of a run than the stored one is not added back
+    _, newer = jsonl_batch(2, offset=5)
+    store.sink.write_jsonl(b"", newer, "seg:2:3")
+    store.sink.write_jsonl(b"", runs, "seg:1:9", resumed=True)
+    assert store.count("SELECT count() FROM runcap.runs") == 2
+
+
+def test_a_batch_whose_token_outlived_its_part_is_not_lost_when_resumed(tmp_path):
+    """`kill -9` of chdb's process between the two steps of a commit — the token into the
+    table's deduplication log, then the part renamed into place — leaves the token and no part
+    (the engine deletes the temporary part at start-up). A repeat under that token is dropped;
+    the shipper resends such a batch with `resumed`, which brings its rows in. The crash's state
+    on disk is made here by removing the committed parts and keeping the deduplication logs."""
+    import shutil
+
+    from proxy.spans.clickhouse import EMBEDDED_SUBDIR
+
+    store = Store("chdb", tmp_path)
+    try:
+        spans, runs = jsonl_batch(4)
+        store.sink.write_jsonl(spans, runs, "seg:1:9")
+        store.sink.close()
+        for table in ("spans", "runs"):
+            data = (tmp_path / "data" / EMBEDDED_SUBDIR / "data" / "runcap" / table).resolve()
+            parts = [d for d in data.iterdir() if d.is_dir() and d.name[:6].isdigit()]
+            assert parts and (data / "deduplication_logs").is_dir()
+            for part in parts:
+                shutil.rmtree(part)
+        store.sink = store.open()
+        store.sink.write_jsonl(spans, runs, "seg:1:9")  # the plain repeat: dropped by the engine
+        assert store.count("SELECT count() FROM runcap.spans") == 0
+        store.sink.write_jsonl(spans, runs, "seg:1:9", resumed=True)
+        assert store.count("SELECT count() FROM runcap.spans") == 4
+        assert store.count("SELECT count() FROM runcap.runs") == 1
+    finally:
+        store.close()
+
+
 def test_latest_run_state_is_read_with_argmax(store):
     for version in range(3):
         spans, runs = make_batch(2 * (version + 1), offset=version)

@@ -234,7 +234,8 @@ def test_a_restart_resumes_at_the_cursor(tmp_path: Path) -> None:
 def test_a_batch_pending_at_a_crash_lands_once_in_clickhouse(tmp_path: Path) -> None:
     """The insert commits, then the shipper dies before it records that: the next shipper
     rebuilds the batch from the bounds on file — although more records arrived meanwhile — sends
-    the same token, and chdb drops the repeat."""
+    the same token marked `resumed` (the sink then leaves out the rows it holds), and nothing
+    lands twice."""
     wal = tmp_path / "wal"
     w = WalWriter(wal)
     for i in range(30):
@@ -248,9 +249,9 @@ def test_a_batch_pending_at_a_crash_lands_once_in_clickhouse(tmp_path: Path) -> 
         def __init__(self) -> None:
             self.shipper: Shipper | None = None
 
-        def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
+        def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str, *, resumed: bool = False) -> None:
             tokens.append(batch_id)
-            store.write_jsonl(spans, runs, batch_id)
+            store.write_jsonl(spans, runs, batch_id, resumed=resumed)
             assert self.shipper is not None
             self.shipper.stopping = True  # "killed" right after the commit
             raise SinkError("the answer was lost")
@@ -267,12 +268,15 @@ def test_a_batch_pending_at_a_crash_lands_once_in_clickhouse(tmp_path: Path) -> 
     for i in range(30, 40):  # the WAL goes on meanwhile
         w.append_step([make_span(i, run_id="r9")])
 
+    resumed_flags: list[bool] = []
+
     class Recording:
         name = "clickhouse"
 
-        def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
+        def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str, *, resumed: bool = False) -> None:
             tokens.append(batch_id)
-            store.write_jsonl(spans, runs, batch_id)
+            resumed_flags.append(resumed)
+            store.write_jsonl(spans, runs, batch_id, resumed=resumed)
 
         def close(self) -> None:
             pass
@@ -287,6 +291,7 @@ def test_a_batch_pending_at_a_crash_lands_once_in_clickhouse(tmp_path: Path) -> 
     s2.stop()
     w.close()
     assert tokens[1] == tokens[0]  # the same bounds, the same token
+    assert resumed_flags[0] and not any(resumed_flags[1:])  # only the batch in flight is in doubt
     assert count() == 40
     by_step = store.query("SELECT step, count() AS n FROM runcap.spans GROUP BY step HAVING n > 1")[1]
     assert by_step == []
@@ -499,8 +504,8 @@ def test_records_written_before_run_trees_ship_as_roots(tmp_path: Path) -> None:
     class Store:
         name = "clickhouse"
 
-        def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str) -> None:
-            store.write_jsonl(spans, runs, batch_id)
+        def write_jsonl(self, spans: bytes, runs: bytes, batch_id: str, *, resumed: bool = False) -> None:
+            store.write_jsonl(spans, runs, batch_id, resumed=resumed)
 
         def close(self) -> None:
             pass
