@@ -17,9 +17,9 @@ after a crash is rebuilt from the bounds on file, so it holds the same records: 
 lane sends `{segment}:{first}:{last}` as the insert deduplication token and the engine drops a
 repeat — exactly once per record. The one batch in flight at a crash goes again marked `resumed`:
 a `kill -9` can leave its token on record without its rows, so the sink then inserts just the
-rows it does not hold (ClickHouseSink.write_jsonl). Payloads are deduplicated by hash (within a batch, and against
-the hashes stored lately) before they are uploaded; a repeat is harmless anyway (same key, same
-bytes). OTLP receivers do not deduplicate: that lane is at-least-once.
+rows it does not hold (ClickHouseSink.write_jsonl). Payloads are deduplicated by hash (within a
+batch, and against the hashes stored lately) before they are uploaded; a repeat is harmless
+anyway (same key, same bytes). OTLP receivers do not deduplicate: that lane is at-least-once.
 
 A segment is deleted once it is sealed (its writer rolled or died) and every lane has passed its
 end. Damaged records are skipped and counted (proxy/spans/wal.py).
