@@ -411,11 +411,10 @@ def _client_tokens(
                         f"{where}.approver_token: an approver token needs at least "
                         f"{sections.MIN_ADMIN_TOKEN_CHARS} characters (it releases held side effects)"
                     )
-                if approver in approvers or approver == token:
+                if approver in approvers:  # a client token, its own included: checked below
                     raise ConfigError(
-                        f"{where}.approver_token: must differ from every client token and every "
-                        "other approver token (the agent holds its client token: an approver token "
-                        "it also holds would let it approve its own calls)"
+                        f"{where}.approver_token: must differ from every other approver token (it "
+                        f"is tenant {approvers[approver]!r}'s)"
                     )
                 approvers[approver] = tenant
         else:
@@ -429,7 +428,8 @@ def _client_tokens(
         if approver in tokens:
             raise ConfigError(
                 f"auth.client_tokens.{tenant}.approver_token: must differ from every client token "
-                f"(it is tenant {tokens[approver]!r}'s client token)"
+                f"(it is tenant {tokens[approver]!r}'s client token; the agent holds its client "
+                "token, and an approver token it also held would let it approve its own calls)"
             )
     return tokens, keys, approvers
 
