@@ -186,6 +186,45 @@ async def test_without_wait_what_a_failover_loses_is_measured(cluster) -> None: 
     assert 0 <= books.spent <= books.acknowledged + PER_CALL * WORKERS
 
 
+# -- a redirection after a hand-over --------------------------------------------------------
+
+
+async def test_with_wait_a_write_follows_the_moved_answer_of_a_slot_handed_over(  # type: ignore[no-untyped-def]
+    cluster, monkeypatch
+) -> None:
+    """`redis_wait_replicas` sends each script with its WAIT to the slot's node on a client of its
+    own. After a `CLUSTER FAILOVER` the old master answers `MOVED slot host:port`: the write must
+    go where that names, even while the slot map it reloads is still the old one (here: the reload
+    made a no-op) — before, the redirection was not recognised at all (redis-py's `MovedError`
+    reads `slot host:port`, without the word MOVED) and every call failed until something else
+    reloaded the map."""
+    led = RedisLedger(
+        cluster.url, prefix=f"mv{secrets.token_hex(3)}:", cluster=True, wait_replicas=1,
+        op_timeout_s=2.0, heartbeat_ttl_s=60, confirm_dead_s=600,
+    )  # fmt: skip
+    run_id = "moved"
+    used = Settlement(input_tokens=100, output_tokens=100, cost_usd_nanos=PER_CALL)
+    caps = RunCaps(max_usd_nanos=CAP)
+    try:
+        await led.settle(await led.begin_step(step(run_id, caps)), used, time.time())
+        master = cluster.master_of(led._k_run(run_id))
+        replica = cluster.replicas_of(master)[0]
+        cluster.hand_over(replica)
+        await asyncio.to_thread(cluster.wait_promoted, replica)
+        await asyncio.to_thread(cluster.wait_ok)
+
+        async def stale(self: object, *args: object, **kwargs: object) -> None:
+            return None  # the slot map stays the one from before the hand-over
+
+        monkeypatch.setattr(type(led._r.nodes_manager), "initialize", stale)
+        await led.settle(await led.begin_step(step(run_id, caps)), used, time.time())
+        state = await led.get_run(run_id)
+        assert state is not None
+        assert (state.spent_usd_nanos, state.reserved_usd_nanos) == (2 * PER_CALL, 0)
+    finally:
+        await led.close()
+
+
 # -- a replica behind when its master dies -----------------------------------------------------
 
 

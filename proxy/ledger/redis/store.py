@@ -34,8 +34,8 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import AskError, MovedError, NoScriptError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from proxy.ledger.base import CHILD_IDS_KEPT, UNKNOWN, IdempotencyRecord, Reservation, RunState
 from proxy.ledger.redis.codec import as_bytes, as_text, json_record, json_state, record_json, state_json
@@ -95,22 +95,27 @@ class Durability:
         self.timeout_ms = timeout_ms
         self._nodes: dict[str, aioredis.Redis] = {}
 
-    def _client_for(self, key: str) -> aioredis.Redis:
+    def _client_for(self, key: str, at: tuple[str, int] | None = None) -> aioredis.Redis:
+        """The single Redis, or a client of the node that owns `key`'s slot — or of the node `at`
+        that a redirection named."""
         if not isinstance(self.r, RedisCluster):
             return self.r
-        node = self.r.get_node_from_key(key)
-        if node is None:
-            raise RedisConnectionError(f"no cluster node owns the slot of {key!r}")
-        client = self._nodes.get(node.name)
+        if at is None:
+            node = self.r.get_node_from_key(key)
+            if node is None:
+                raise RedisConnectionError(f"no cluster node owns the slot of {key!r}")
+            at = (node.host, int(node.port))
+        name = f"{at[0]}:{at[1]}"
+        client = self._nodes.get(name)
         if client is None:
             kwargs = self.r.get_connection_kwargs()
             client = aioredis.Redis(
-                host=node.host, port=int(node.port), password=kwargs.get("password"),
+                host=at[0], port=at[1], password=kwargs.get("password"),
                 username=kwargs.get("username"), ssl=bool(kwargs.get("ssl")),
                 socket_timeout=kwargs.get("socket_timeout"),
                 socket_connect_timeout=kwargs.get("socket_connect_timeout"),
             )  # fmt: skip
-            self._nodes[node.name] = client
+            self._nodes[name] = client
         return client
 
     async def run(self, script: AsyncScript, keys: list[str], args: ScriptArgs) -> object:
@@ -124,25 +129,42 @@ class Durability:
     async def _acknowledged(
         self, key: str, command: tuple[str | bytes | int | float, ...], script: AsyncScript | None
     ) -> object:
-        for attempt in range(3):
-            client = self._client_for(key)
+        # A cluster redirects as its protocol says: `MOVED slot host:port` names the slot's owner
+        # after a failover or a resharding (the command follows it; the slot map is reloaded for
+        # the next ones), `ASK` the node importing the slot for this one command (sent after
+        # `ASKING`), `READONLY` a node that has become a replica (the map is reloaded).
+        at: tuple[str, int] | None = None
+        asking = False
+        for attempt in range(4):
+            client = self._client_for(key, at)
             pipe = client.pipeline(transaction=False)
+            if asking:
+                pipe.execute_command("ASKING")
             pipe.execute_command(*command)
             pipe.wait(self.replicas, self.timeout_ms)
+            last = attempt == 3 or not isinstance(self.r, RedisCluster)
             try:
-                result, acked = await pipe.execute(raise_on_error=False)
+                replies = await pipe.execute(raise_on_error=False)
             except RedisConnectionError:
-                if attempt == 2 or not isinstance(self.r, RedisCluster):
+                if last:
                     raise
                 await self._refresh()  # the node died: its replica is (being) promoted
+                at, asking = None, False
                 continue
-            if isinstance(result, NoScriptError) and script is not None and attempt < 2:
+            result, acked = replies[-2], replies[-1]
+            if isinstance(result, NoScriptError) and script is not None and attempt < 3:
                 await client.script_load(script.script)  # a promoted replica, a restarted node
                 continue
-            if isinstance(result, ResponseError) and str(result).startswith(("MOVED", "READONLY")):
-                if attempt == 2 or not isinstance(self.r, RedisCluster):
-                    raise result
+            if isinstance(result, MovedError) and not last:
                 await self._refresh()
+                at, asking = result.node_addr, False
+                continue
+            if isinstance(result, AskError) and not last:
+                at, asking = result.node_addr, True
+                continue
+            if isinstance(result, ReadOnlyError) and not last:
+                await self._refresh()
+                at, asking = None, False
                 continue
             if isinstance(result, Exception):
                 raise result
