@@ -585,6 +585,11 @@ class RedisLedger(base.Ledger):
             # MISCONF (cannot persist: disk full), READONLY, OOM... Redis refuses writes.
             text = str(exc)
             return "ledger_disk_full" if text.startswith("MISCONF") else "ledger_error"
+        if _raised_in_redis_py(exc):
+            # redis-py's cluster client can fail on its own state mid-failover (a node it dropped
+            # from its map while a command was on its way: AttributeError, KeyError, IndexError):
+            # the ledger is unavailable for the moment — 503, retried — not a bug of runcap's (500).
+            return "ledger_unreachable"
         return super().failure_code(exc)
 
     # -- provider objects -----------------------------------------------------------------------
@@ -622,3 +627,14 @@ class RedisLedger(base.Ledger):
         if self._store.durability is not None:
             await self._store.durability.close()
         await self._r.aclose()
+
+
+def _raised_in_redis_py(exc: BaseException) -> bool:
+    """The exception was raised in redis-py's own code (its innermost frame is in the package)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    return isinstance(module, str) and (module == "redis" or module.startswith("redis."))

@@ -268,3 +268,18 @@ def test_a_cluster_without_a_master_for_the_slot_is_an_unavailable_ledger() -> N
     )
     assert led.failure_code(ClusterDownError("CLUSTERDOWN The cluster is down")) == "ledger_unreachable"
     assert led.failure_code(ReplicasBehind("short")) == "ledger_replicas_behind"
+
+
+def test_an_error_inside_redis_py_is_an_unavailable_ledger_and_one_of_runcaps_is_a_bug() -> None:
+    """redis-py's cluster client can fail on its own state mid-failover (an AttributeError from a
+    node it dropped): `ledger_unreachable` (503, retried). The same error raised in runcap's own
+    code stays a bug (None: a 500)."""
+    from redis.crc import key_slot
+
+    led = RedisLedger("redis://127.0.0.1:1/0", prefix="p:")  # never connects
+    with pytest.raises(AttributeError) as inside:
+        key_slot(None)  # type: ignore[arg-type]
+    assert led.failure_code(inside.value) == "ledger_unreachable"
+    with pytest.raises(AttributeError) as ours:
+        None.missing  # type: ignore[attr-defined]  # noqa: B018
+    assert led.failure_code(ours.value) is None
