@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from typing import Any
 
-from proxy.caps import RunCaps, stored_caps
+from proxy.caps import RunCaps, RunRequest, stored_caps
 from proxy.errors import (
     BudgetExceeded,
     DeadlineExceeded,
@@ -327,6 +327,12 @@ class Ledger(abc.ABC):
         """Open or update the run for a call that reserves nothing (pass-through, tools) and
         check its deadline and cancel flag, and its ancestors' (`parent`: X-Run-Parent, for a
         run this call may create). Raises a `Rejection`."""
+
+    async def touch(self, run: RunRequest, now: float) -> RunState:
+        """`touch_run` for a request's run, as the request named it — its parent included: the
+        one way the request path opens a run without a reservation, so no call site can open a
+        child as a root (a held approval's first call did)."""
+        return await self.touch_run(run.run_id, run.task, run.caps, now, run.parent)
 
     @abc.abstractmethod
     async def get_run(self, run_id: str) -> RunState | None: ...

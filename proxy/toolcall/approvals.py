@@ -131,7 +131,9 @@ class ApprovalDesk:
         self.metrics = metrics
         failed = metrics.approval_webhook_failures.inc if metrics is not None else None
         self.webhook = ApprovalWebhook(
-            settings.approval_webhook_url, settings.approval_webhook_timeout_s, on_failure=failed,
+            settings.approval_webhook_url,
+            settings.approval_webhook_timeout_s,
+            on_failure=failed,
             secret=settings.approval_webhook_secret,
         )
         self._decided: dict[str, asyncio.Event] = {}  # approval id → set by a decision made here
@@ -159,7 +161,7 @@ class ApprovalDesk:
             # is fixed from here (not from each resend of a deferred call) — and refused at once
             # when it is cancelled or past its deadline.
             run = call.run
-            state = await self.ledger.touch_run(run.run_id, run.task, run.caps, now)
+            state = await self.ledger.touch(run, now)
         deadline = run_deadline(call.run, state, now) if call.run is not None else req.caps.deadline
         ttl_end = now + self.settings.approval_ttl_s
         expires_at = ttl_end if deadline is None else min(deadline, ttl_end)
@@ -290,12 +292,26 @@ class ApprovalDesk:
         return approval
 
     async def run_cancelled(self, run_id: str) -> None:
-        """The run was cancelled (`POST /runs/{id}/cancel`): its pending approvals are denied (by
-        `runcap: run cancelled`), each denial an `approval` span — a deferred one as much as one
-        a call waits on — and a call held here woken."""
-        for approval in await self.ledger.deny_pending_approvals(run_id, time.time()):
-            self._wake(approval.id)
-            self._record(approval, None, "decided", "")
+        """The run was cancelled (`POST /runs/{id}/cancel`), and its subtree with it: the pending
+        approvals of the run and of every descendant are denied (by `runcap: run cancelled`), each
+        denial an `approval` span — a deferred one as much as one a call waits on — and a call
+        held here woken. The descendants are found from the pending approvals (people-scale, and
+        read only on a cancel), each one's run read for its ancestors: a tree's child index is
+        not needed, nor bounded by how many children `get_run` lists."""
+        now = time.time()
+        runs = [run_id]
+        checked: set[str] = {run_id}
+        for pending in await self.ledger.list_approvals(now, state=PENDING, limit=100_000):
+            if pending.run_id in checked:
+                continue
+            checked.add(pending.run_id)
+            state = await self.ledger.get_run(pending.run_id)
+            if state is not None and run_id in state.ancestors:
+                runs.append(pending.run_id)
+        for run in runs:
+            for approval in await self.ledger.deny_pending_approvals(run, now):
+                self._wake(approval.id)
+                self._record(approval, None, "decided", "")
 
     def _wake(self, approval_id: str) -> None:
         event = self._decided.pop(approval_id, None)

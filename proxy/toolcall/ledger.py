@@ -34,9 +34,7 @@ class ToolCallLedger:
     async def touch_run(self, run: RunRequest, now: float) -> RunState:
         """The run's state for a request that is not a tool call (an MCP relay, a GET stream,
         runcap's own `tools/list`): refused once the run is cancelled or past its deadline."""
-        return await self.metrics.timed_ledger_op(
-            "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, now, run.parent)
-        )
+        return await self.metrics.timed_ledger_op("touch_run", self.ledger.touch(run, now))
 
     async def begin(self, req: ToolCallRequest) -> ToolCallStart:
         """Ask the ledger; while a duplicate is in flight (here or on another replica), wait for

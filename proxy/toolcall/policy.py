@@ -210,7 +210,7 @@ class PolicyCheck:
         variables = self._variables(run, args, call.tool, server, method, path)
         if policy.needs_state:
             state = await self.metrics.timed_ledger_op(
-                "touch_run", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time())
+                "touch_run", self.ledger.touch(run, time.time())
             )
             variables.update(_state_variables(state))
         verdict = policy.decide(variables)

@@ -520,3 +520,38 @@ async def test_a_cancel_that_denies_a_deferred_approval_is_a_span(runcap_factory
     assert [(r["id"], r["state"], r["by"]) for r in rows] == [
         (body["error"]["approval_id"], "denied", "runcap: run cancelled")
     ]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+async def test_a_cancel_denies_the_pending_approvals_of_the_whole_subtree(  # type: ignore[no-untyped-def]
+    runcap_factory, redis_server, tool, tmp_path, backend
+) -> None:
+    """Cancelling a run cancels its subtree, so the deferred approvals its child and grandchild
+    left pending are denied with its own — and a run outside the tree keeps its approval."""
+    extra = {
+        **refund_with(tool, mode="defer"),
+        **({"redis_url": redis_server.url} if backend == "redis" else {}),
+    }
+    rc = await runcap_factory(extra, data_dir=tmp_path / backend)
+    tag = secrets.token_hex(4)
+    parent, child, grandchild, other = (
+        f"{name}-{tag}" for name in ("parent", "child", "grandchild", "other")
+    )
+    big = {"order_id": "o-1", "amount": 500}
+    for run, up in ((parent, None), (child, parent), (grandchild, child), (other, None)):
+        status, _, body = await call(
+            f"{rc.url}/tools/refund", run, big, headers={"X-Run-Parent": up} if up else None
+        )
+        assert status == 428, body
+        assert (await rc.run(run))["parent"] == up  # a held call opens the run under its parent
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{rc.url}/runs/{parent}/cancel", headers=rc.admin) as r:
+            assert r.status == 200
+        for run in (parent, child, grandchild):
+            [after] = await listed(s, rc.url, rc.admin, run=run, state="all")
+            assert (after["state"], after["by"]) == ("denied", "runcap: run cancelled"), run
+        [untouched] = await listed(s, rc.url, rc.admin, run=other, state="all")
+        assert untouched["state"] == "pending"
+    tool_calls = tool.executions
+    status, _, body = await call(f"{rc.url}/tools/refund", grandchild, big, headers={"X-Run-Parent": child})
+    assert status == 410 and body["error"]["type"] == "run_cancelled" and tool.executions == tool_calls == 0

@@ -126,6 +126,14 @@ async def test_http_rules_on_method_path_and_the_runs_state(runcap_factory, tool
     for i in range(3):
         assert (await call(url, other, {"order_id": f"o-{i}", "amount": 1}))[0] == 200
     assert tool.executions == 5
+    # A child's first request is a tool call whose rules read the run's state: the read that
+    # opens the child opens it under its parent (it opened it as a root before).
+    child = rid("child")
+    status, _, _ = await call(
+        url, child, {"order_id": "o-c", "amount": 1}, headers={**h, "X-Run-Parent": run}
+    )
+    assert status == 200
+    assert (await rc.run(child))["parent"] == run
 
 
 async def test_rules_see_the_tenant_and_the_agents_own_run_id(runcap_factory, tool):  # type: ignore[no-untyped-def]

@@ -85,7 +85,7 @@ class BudgetStep(FlowStep):
             caps = run.caps
             if not run.generated or run.parent:
                 flow.state = await self.metrics.timed_ledger_op(
-                    "touch", self.ledger.touch_run(run.run_id, run.task, run.caps, time.time(), run.parent)
+                    "touch", self.ledger.touch(run, time.time())
                 )
                 caps = flow.state.caps
             self._refuse_unmetered(flow, caps)
