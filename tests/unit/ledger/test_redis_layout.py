@@ -207,12 +207,15 @@ async def test_a_reservation_waits_for_its_replica(tmp_path) -> None:  # type: i
     led = RedisLedger(primary.url, prefix="w:", wait_replicas=1, wait_timeout_s=0.2)
     guarded = GuardedLedger(led, timeout_s=2.0)
     try:
-        import redis.asyncio as aioredis
-
-        direct = aioredis.from_url(primary.url)
-        while (await direct.info("replication")).get("slave0", {}).get("state") != "online":
-            await asyncio.sleep(0.02)  # until the replica has synced (INFO replication says so)
-        await direct.aclose()
+        # Until the replica acknowledges writes (readiness's own probe: a write and its WAIT) —
+        # INFO's `state=online` comes before the replica's first acknowledgement, by up to a
+        # WAIT timeout on a loaded machine.
+        for _ in range(500):
+            try:
+                await led.ping()
+                break
+            except ReplicasBehind:
+                await asyncio.sleep(0.02)
         res = await guarded.begin_step(step("w", RunCaps(max_usd_nanos=USD)))
         assert (await guarded.settle(res, Settlement(cost_usd_nanos=9), time.time())).spent_usd_nanos == 9
         await led.ping()  # ready: the replica keeps up
