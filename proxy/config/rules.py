@@ -63,6 +63,12 @@ def _type(cel: Any, name: str) -> Any:
     return cel.Type.Map(cel.Type.STRING, cel.Type.DYN) if name == "MAP" else getattr(cel.Type, name)
 
 
+def variable_names(*, http: bool) -> tuple[str, ...]:
+    """Every variable a rule of that kind of tool may read (the environment's declarations)."""
+    tables = (REQUEST_VARIABLES, *([HTTP_VARIABLES] if http else []), STATE_VARIABLES)
+    return tuple(name for table in tables for name in table)
+
+
 @functools.cache
 def environment(*, http: bool, state: bool = True) -> Any:
     """The CEL environment rules are compiled in (`Env.Activation` builds a call's variables): one

@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+
 from proxy.config.rules import read_rules
 from proxy.toolcall.policy import ToolPolicy, Verdict
 
@@ -25,6 +27,10 @@ CONDITIONS = [
     # deep enough that eight of them do not fit in one program (cel-cpp's recursion limit)
     DEEP := "(" * 20 + "args.amount" + "".join(f" + {i})" for i in range(20)) + " > 200",
 ]
+
+
+# The conditions toolcall/fastcel.py evaluates in Python (the others are outside its subset).
+SIMPLE = set(CONDITIONS) - {"args.tags.exists(t, t == 'vip')"}
 
 
 def one_by_one(policy: ToolPolicy, variables: dict[str, Any]) -> Verdict:
@@ -47,7 +53,10 @@ def make_args(rng: random.Random) -> dict[str, Any]:
     return args
 
 
-def test_chunked_evaluation_is_the_rules_one_by_one() -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["cel-cpp only", "with the Python rules"])
+def test_chunked_evaluation_is_the_rules_one_by_one(fast: bool) -> None:
+    """In chunks of CEL programs, and with the common rules evaluated in Python (fastcel.py)
+    between them: the same verdict as every rule's own program in order."""
     rng = random.Random(23)
     decided = errors = 0
     for _ in range(300):
@@ -56,8 +65,9 @@ def test_chunked_evaluation_is_the_rules_one_by_one() -> None:
             [{"name": f"r{i}", "when": rng.choice(CONDITIONS), "effect": "deny"} for i in range(n)],
             "tools.t.rules", "tool 't'", http=True,
         )  # fmt: skip
-        policy = ToolPolicy(rules, http=True)
-        assert sum(size for _, size, _ in policy.chunks) == n
+        policy = ToolPolicy(rules, http=True, fast=fast)
+        assert sum(size for _, size, _, _ in policy.chunks) == n
+        assert policy.fast == (fast and any(r.when in SIMPLE for r in rules))
         task = rng.choice(["", "nightly"])
         variables = {"args": make_args(rng), "tool.name": "refund", "tool.server": "", "run.task": task}
         got, want = policy.decide(variables), one_by_one(policy, variables)
@@ -71,9 +81,9 @@ def test_deep_rules_get_programs_of_their_own_size() -> None:
     table = [{"name": f"r{i}", "when": DEEP, "effect": "deny"} for i in range(8)]
     table.append({"name": "small", "when": "args.amount < 10", "effect": "allow"})
     rules = read_rules(table, "w", "t", http=True)
-    policy = ToolPolicy(rules, http=True)
+    policy = ToolPolicy(rules, http=True, fast=False)
     assert len(policy.chunks) >= 2 and policy.chunks[0][1] > 1  # eight did not fit in one, a few did
-    assert all(program is not None for _, _, program in policy.chunks)
+    assert all(program is not None for _, _, program, _ in policy.chunks)
     assert policy.decide({"args": {"amount": 20}}).rule is rules[0]  # 20 + 190 > 200
     assert policy.decide({"args": {"amount": 5}}).rule is rules[8]
     assert policy.decide({"args": {"amount": 10}}) == Verdict(None)
@@ -86,6 +96,7 @@ def test_a_failing_rule_after_one_that_holds_is_never_evaluated() -> None:
         "w", "t", http=True,
     )  # fmt: skip
     policy = ToolPolicy(rules, http=True)
+    assert policy.fast
     assert policy.decide({"args": {"amount": 5}}) == Verdict(rules[0])
     failed = policy.decide({"args": {"amount": 50}})
     assert failed.rule is rules[1] and "Key not found in map" in failed.error
