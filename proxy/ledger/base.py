@@ -253,6 +253,10 @@ class Reservation:
     hosted_uses: int | None = None
     uses: int = 0
     request_fingerprint: str = ""  # the StepRequest's: counted when the call is answered
+    # A run in a tree: (dollars in nano-dollars, tokens) left of the tightest cap of the run and
+    # its ancestors after this reservation (None: no such cap) — what `X-Run-Remaining-*` shows
+    # when an ancestor's cap is tighter than the run's own. None for a run outside a tree.
+    tree_left: tuple[int | None, int | None] | None = None
 
     @property
     def tokens(self) -> int:
@@ -1019,10 +1023,27 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
                 _set_status(state, rej.run_status)
             raise
         raise _tree_rejection(state, node, rej) from None
+    # What the view's caps leave after this reservation: the tightest of the run's and its
+    # ancestors' (the view lowered each to it).
+    held = state.spent_usd_nanos + state.reserved_usd_nanos
+    usd = None if view.max_usd_nanos is None else view.max_usd_nanos - held
+    tokens = None if view.max_tokens is None else view.max_tokens - state.tokens_used - state.reserved_tokens
     state.caps = own
     res.state.caps = own  # (the snapshot was taken under the view)
     propagate(before, state, chain, req.now)
-    return res
+    return replace(res, tree_left=(usd, tokens))
+
+
+def tree_left_after(res: Reservation, s: Settlement) -> tuple[int | None, int | None] | None:
+    """`res.tree_left` once the call is settled as `s`: its reservation replaced by what it used
+    (what this call knows; other calls of the tree may have moved it since)."""
+    if res.tree_left is None:
+        return None
+    usd, tokens = res.tree_left
+    return (
+        None if usd is None else max(0, usd + res.usd_nanos - s.cost_usd_nanos),
+        None if tokens is None else max(0, tokens + res.tokens - s.input_tokens - s.output_tokens),
+    )
 
 
 def _tree_rejection(state: RunState, node: RunState, rej: BudgetExceeded) -> BudgetExceeded:

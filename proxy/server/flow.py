@@ -63,6 +63,9 @@ class Flow:
     step: int = 0
     state: RunState | None = None  # the run after the latest ledger operation
     clamped_to: int | None = None  # the budget lowered the output limit to this
+    # A run in a tree: (nano-dollars, tokens) left of the tightest cap of the run and its
+    # ancestors, after the reservation and then after the settlement (`Reservation.tree_left`).
+    tree_left: tuple[int | None, int | None] | None = None
     final_step: bool = False
     injected_stream_usage: bool = False
     status: int = 0  # as returned to the agent

@@ -217,3 +217,35 @@ async def test_caps_defaults_and_ceilings_bound_the_tree(runcap_factory, upstrea
     assert (status, error["code"], error["run"]) == (402, "max_tree_steps", f"{tag}-r")
     status, error = await ask({"X-Run-Id": f"{tag}-g", "X-Run-Parent": f"{tag}-a"})
     assert (status, error["code"], error["run"]) == (402, "max_depth", f"{tag}-r")
+
+
+async def test_a_childs_remaining_headers_show_its_ancestors_tighter_caps(  # type: ignore[no-untyped-def]
+    runcap_factory, ledger_config
+):
+    """`X-Run-Remaining-Usd` / `-Tokens` of a child's call: what the tightest cap of the child
+    and its ancestors leaves, not the child's own cap alone — an agent that plans on the header
+    must not see $2 left when its parent has $0.49 (or tokens left when only the parent counts
+    them)."""
+    rc = await runcap_factory(ledger_config)
+    p = f"plan-{secrets.token_hex(3)}"
+    parent = agent(rc.openai_url, {"X-Run-Id": p, "X-Run-Max-Usd": "0.50", "X-Run-Max-Tokens": "100000"})
+    await parent.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=50)
+
+    async def call(run_id: str, **caps: str) -> dict[str, str]:
+        c = agent(rc.openai_url, {"X-Run-Id": run_id, "X-Run-Parent": p, **caps})
+        raw = await c.chat.completions.with_raw_response.create(model="gpt-4o", messages=USER, max_tokens=50)
+        return dict(raw.headers)
+
+    async def left() -> tuple[Decimal, int]:
+        tree = await rc.run(p)
+        assert Decimal(tree["subtree"]["reserved_usd"]) == 0
+        return Decimal("0.50") - Decimal(tree["subtree"]["cost_usd"]), 100000 - tree["subtree"]["tokens"]
+
+    loose = await call(f"{p}.loose", **{"X-Run-Max-Usd": "2.00"})  # its own cap is looser
+    usd, tokens = await left()
+    assert Decimal(loose["x-run-remaining-usd"]) == usd < Decimal("0.50")
+    assert int(loose["x-run-remaining-tokens"]) == tokens < 100000  # the parent's cap alone
+    tight = await call(f"{p}.tight", **{"X-Run-Max-Usd": "0.01"})  # its own cap is tighter
+    child = await rc.run(f"{p}.tight")
+    assert Decimal(tight["x-run-remaining-usd"]) == Decimal("0.01") - Decimal(child["cost_usd"])
+    assert int(tight["x-run-remaining-tokens"]) == (await left())[1]

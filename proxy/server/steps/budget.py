@@ -25,6 +25,7 @@ from proxy.ledger.base import (
     begin_unledgered_step,
     nothing_to_enforce,
     settle_unledgered,
+    tree_left_after,
 )
 from proxy.ledger.guarded import GuardedLedger
 from proxy.ledger.repeats import call_fingerprint, request_fingerprint
@@ -84,9 +85,7 @@ class BudgetStep(FlowStep):
             # A pass-through call reserves nothing, but a cancelled or expired run stays stopped.
             caps = run.caps
             if not run.generated or run.parent:
-                flow.state = await self.metrics.timed_ledger_op(
-                    "touch", self.ledger.touch(run, time.time())
-                )
+                flow.state = await self.metrics.timed_ledger_op("touch", self.ledger.touch(run, time.time()))
                 caps = flow.state.caps
             self._refuse_unmetered(flow, caps)
             return
@@ -169,6 +168,7 @@ class BudgetStep(FlowStep):
         assert info is not None and adapter is not None
         flow.reservation = res
         flow.state = res.state
+        flow.tree_left = res.tree_left
         flow.step = res.step
         body = flow.body_json
         assert body is not None
@@ -234,6 +234,7 @@ class BudgetStep(FlowStep):
             return
         flow.reservation = None  # exactly once
         settlement = self.settlement(flow, res)
+        flow.tree_left = tree_left_after(res, settlement)
         now = time.time()
         self.metrics.settled(flow, settlement)  # what the call spent, whenever the ledger takes it
         if not res.ledgered:
@@ -375,6 +376,11 @@ def run_headers(flow: Flow, state: RunState, now: float) -> dict[str, str]:
     if step:
         headers["X-Run-Step"] = str(step)
     remaining = state.remaining(now)
+    if flow.tree_left is not None:  # an ancestor's cap may leave less than the run's own
+        for name, left in zip(("usd_nanos", "tokens"), flow.tree_left, strict=True):
+            own = remaining[name]
+            if left is not None:
+                remaining[name] = max(0, left) if own is None else min(own, max(0, left))
     if remaining["usd_nanos"] is not None:
         headers["X-Run-Remaining-Usd"] = format_usd(int(remaining["usd_nanos"]))
     if remaining["tokens"] is not None:
