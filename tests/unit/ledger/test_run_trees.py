@@ -8,7 +8,7 @@ import asyncio
 import json
 import sqlite3
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import orjson
 import pytest
@@ -26,6 +26,7 @@ from proxy.ledger.base import (
     partial_state,
     propagate,
     totals,
+    tree_left_after,
 )
 from proxy.ledger.redis.codec import json_state, state_json
 from proxy.ledger.sqlite.schema import SUB_COLUMNS
@@ -139,6 +140,39 @@ async def test_an_ancestors_cap_bounds_a_child_and_is_named(make_ledger):  # typ
     await led.settle(first, Settlement(no_answer=True), time.time())
     parent = await run(led, "p")
     assert parent.sub_reserved_usd_nanos == 0 and parent.sub_reserved_tokens == 0
+
+
+async def test_what_the_tree_leaves_a_child_is_its_tightest_caps_remainder(make_ledger):  # type: ignore[no-untyped-def]
+    """`Reservation.tree_left` (X-Run-Remaining-* of a child's call): after the reservation, what
+    the tightest of the child's and its ancestors' dollar and token caps leaves; after the
+    settlement (`tree_left_after`), the reservation replaced by what the call used."""
+    led = make_ledger()
+    await call(led, "p", RunCaps(max_usd_nanos=5 * CENT, max_tokens=50_000), input_tokens=1000, output=1000)
+    await call(led, "q", parent="p", caps=RunCaps(max_usd_nanos=4 * CENT), input_tokens=1000, output=1000)
+    p = await run(led, "p")
+    p_usd, p_tokens = 5 * CENT - p.tree_usd_nanos, 50_000 - p.tree_tokens  # $0.044, 46 000
+    q = await run(led, "q")
+    q_usd = 4 * CENT - q.tree_usd_nanos  # $0.037: tighter than the parent's
+    res = await led.begin_step(
+        step("c", RunCaps(max_usd_nanos=USD), parent_run_id="q", input_tokens=1000, output=500)
+    )
+    assert res.tree_left == (q_usd - res.usd_nanos, p_tokens - res.tokens)  # q's dollars, p's tokens
+    used = Settlement(input_tokens=1000, output_tokens=100, cost_usd_nanos=1_200_000)
+    assert tree_left_after(res, used) == (q_usd - 1_200_000, p_tokens - 1100)
+    await led.settle(res, used, time.time())
+    assert (5 * CENT - (await run(led, "p")).tree_usd_nanos) == p_usd - 1_200_000
+    # Its own cap tighter than any ancestor's: its own remainder.
+    own = await led.begin_step(step("d", RunCaps(max_usd_nanos=CENT // 2), parent_run_id="q", output=100))
+    assert own.tree_left is not None and own.tree_left[0] == CENT // 2 - own.usd_nanos
+    assert tree_left_after(own, Settlement(no_answer=True)) == (CENT // 2, own.tree_left[1] + own.tokens)
+    await led.settle(own, Settlement(no_answer=True), time.time())
+    # A root has no tree to show, and nothing is computed for it.
+    root = await led.begin_step(step("solo", RunCaps(max_usd_nanos=USD)))
+    assert root.tree_left is None and tree_left_after(root, used) is None
+    await led.settle(root, used, time.time())
+    # Never below zero, whatever the call used.
+    huge = Settlement(cost_usd_nanos=10**12, output_tokens=10**9)
+    assert tree_left_after(replace(res, tree_left=(10, 10)), huge) == (0, 0)
 
 
 async def test_a_top_up_of_the_parent_lets_its_stopped_child_continue(make_ledger):  # type: ignore[no-untyped-def]
