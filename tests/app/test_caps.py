@@ -202,9 +202,12 @@ async def test_deadline_cuts_a_stalled_upstream(runcap, upstream):  # type: igno
 async def test_deadline_mid_stream_ends_stream_with_error_event(runcap, upstream):  # type: ignore[no-untyped-def]
     upstream.scripts["stall"] = [{"text": "a long answer that stalls half way", "stall_s": 30}]
     c = client(runcap)
+    # The deadline must fall after the stream has begun (its headers and first events): 0.5 s
+    # was once not enough for that on a loaded machine (a 504 before the stream, not this test's
+    # case); the stall after them is 30 s.
     stream = await c.chat.completions.create(
         model="gpt-4o-mini", messages=USER, stream=True,
-        extra_headers={"X-Run-Id": "dls", "X-Run-Timeout": "0.5", "X-Mock-Script": "stall"},
+        extra_headers={"X-Run-Id": "dls", "X-Run-Timeout": "2", "X-Mock-Script": "stall"},
     )  # fmt: skip
     with pytest.raises(openai.APIError) as e:
         async for _chunk in stream:
