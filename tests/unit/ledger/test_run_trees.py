@@ -161,6 +161,15 @@ async def test_what_the_tree_leaves_a_child_is_its_tightest_caps_remainder(make_
     assert tree_left_after(res, used) == (q_usd - 1_200_000, p_tokens - 1100)
     await led.settle(res, used, time.time())
     assert (5 * CENT - (await run(led, "p")).tree_usd_nanos) == p_usd - 1_200_000
+    # The child's next call: what it has used itself counts too.
+    again = await led.begin_step(step("c", RunCaps(), input_tokens=1000, output=500))
+    assert again.tree_left == (q_usd - 1_200_000 - again.usd_nanos, p_tokens - 1100 - again.tokens)
+    await led.settle(again, Settlement(no_answer=True), time.time())
+    # No dollar or token cap anywhere in the tree: nothing to show.
+    await call(led, "free")
+    loose = await led.begin_step(step("f", RunCaps(), parent_run_id="free"))
+    assert loose.tree_left == (None, None) and tree_left_after(loose, used) == (None, None)
+    await led.settle(loose, used, time.time())
     # Its own cap tighter than any ancestor's: its own remainder.
     own = await led.begin_step(step("d", RunCaps(max_usd_nanos=CENT // 2), parent_run_id="q", output=100))
     assert own.tree_left is not None and own.tree_left[0] == CENT // 2 - own.usd_nanos
