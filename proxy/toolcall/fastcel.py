@@ -43,9 +43,6 @@ class Unsupported(Exception):
     """Not modelled here: evaluate this rule with cel-cpp."""
 
 
-_UNSUPPORTED = Unsupported()  # raised often on the fallback path: one instance
-
-
 def convertible(value: Any, depth: int = 0) -> bool:
     """Whether cel-cpp takes `value` (a call's arguments) as it is: JSON's types, integers below
     2**64, strings that are UTF-8 (no lone surrogate, which `json.loads` lets through), not too
@@ -344,7 +341,7 @@ class _Parser:
 
 
 def _u() -> Any:
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _kind(x: Any) -> str:
@@ -353,7 +350,7 @@ def _kind(x: Any) -> str:
         return "bool"
     if t is int:
         if not INT_MIN <= x <= INT_MAX:
-            raise _UNSUPPORTED  # a uint to CEL, or beyond what it holds
+            raise Unsupported  # a uint to CEL, or beyond what it holds
         return "num"
     if t is float:
         return "num"
@@ -361,7 +358,7 @@ def _kind(x: Any) -> str:
         return "str"
     if x is None:
         return "null"
-    raise _UNSUPPORTED  # lists, maps: compared element by element in CEL, not modelled
+    raise Unsupported  # lists, maps: compared element by element in CEL, not modelled
 
 
 # a == b of two values of one of these types is CEL's (two integers: int64 or uint to CEL, they
@@ -377,7 +374,7 @@ def _eq(a: Any, b: Any) -> bool:
     if ka != kb:
         return False  # CEL's heterogeneous equality: another kind is not equal
     if ka == "num" and type(a) is not type(b) and max(abs(a), abs(b)) > 2**53:
-        raise _UNSUPPORTED  # an int and a double beyond the doubles' exact integers
+        raise Unsupported  # an int and a double beyond the doubles' exact integers
     return bool(a == b)
 
 
@@ -391,9 +388,9 @@ def _ordered(a: Any, b: Any) -> None:
         return
     ka, kb = _kind(a), _kind(b)
     if ka != kb or ka == "null":
-        raise _UNSUPPORTED  # CEL: no matching overload
+        raise Unsupported  # CEL: no matching overload
     if ka == "num" and type(a) is not type(b) and max(abs(a), abs(b)) > 2**53:
-        raise _UNSUPPORTED
+        raise Unsupported
 
 
 def _lt(a: Any, b: Any) -> bool:
@@ -421,7 +418,7 @@ def _in(a: Any, b: Any) -> bool:
         return any(_eq(a, item) for item in b)
     if type(b) is dict and type(a) is str:
         return a in b
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 _COMPARE = {"<": "_lt", "<=": "_le", ">": "_gt", ">=": "_ge", "==": "_eq", "!=": "_ne"}
@@ -432,16 +429,16 @@ def _ints(a: Any, b: Any) -> bool:
     ta, tb = type(a), type(b)
     if ta is int and tb is int:
         if not (INT_MIN <= a <= INT_MAX and INT_MIN <= b <= INT_MAX):
-            raise _UNSUPPORTED
+            raise Unsupported
         return True
     if ta is float and tb is float:
         return False
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _int_result(x: int) -> int:
     if not INT_MIN <= x <= INT_MAX:
-        raise _UNSUPPORTED  # CEL: integer overflow
+        raise Unsupported  # CEL: integer overflow
     return x
 
 
@@ -462,24 +459,24 @@ def _mul(a: Any, b: Any) -> Any:
 def _div(a: Any, b: Any) -> Any:
     if _ints(a, b):
         if b == 0 or (a == INT_MIN and b == -1):
-            raise _UNSUPPORTED  # divide by zero, overflow
+            raise Unsupported  # divide by zero, overflow
         q = abs(a) // abs(b)  # CEL truncates toward zero
         return q if (a < 0) == (b < 0) else -q
     if b == 0.0:
-        raise _UNSUPPORTED  # IEEE infinity or NaN in CEL: left to cel-cpp
+        raise Unsupported  # IEEE infinity or NaN in CEL: left to cel-cpp
     return a / b
 
 
 def _mod(a: Any, b: Any) -> Any:
     if not _ints(a, b) or b == 0 or (a == INT_MIN and b == -1):
-        raise _UNSUPPORTED  # doubles have no %, modulus by zero
+        raise Unsupported  # doubles have no %, modulus by zero
     r = abs(a) % abs(b)  # the sign of the dividend, as in C
     return r if a >= 0 else -r
 
 
 def _not(x: Any) -> bool:
     if type(x) is not bool:
-        raise _UNSUPPORTED
+        raise Unsupported
     return not x
 
 
@@ -488,21 +485,21 @@ def _neg(x: Any) -> Any:
         return -x
     if type(x) is float:
         return -x
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _and(a: Any, b: Any) -> bool:
     """`a && b` once `a` is known not to be false: CEL's value when both are bools."""
     if a is True and type(b) is bool:
         return b
-    raise _UNSUPPORTED  # an error or a non-bool on either side: CEL's commutative rules
+    raise Unsupported  # an error or a non-bool on either side: CEL's commutative rules
 
 
 def _or(a: Any, b: Any) -> bool:
     """`a || b` once `a` is known not to be true."""
     if a is False and type(b) is bool:
         return b
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _index(container: Any, i: Any) -> Any:
@@ -510,37 +507,37 @@ def _index(container: Any, i: Any) -> Any:
         return container[i]
     if type(container) is list and type(i) is int and 0 <= i < len(container):
         return container[i]
-    raise _UNSUPPORTED  # no such key or index, or another type
+    raise Unsupported  # no such key or index, or another type
 
 
 def _has(m: Any, name: str) -> bool:
     if type(m) is dict:
         return name in m
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _size(x: Any) -> int:
     if type(x) in (str, list, dict):
         return len(x)
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _starts(s: Any, a: Any) -> bool:
     if type(s) is str and type(a) is str:
         return s.startswith(a)
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _ends(s: Any, a: Any) -> bool:
     if type(s) is str and type(a) is str:
         return s.endswith(a)
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 def _contains(s: Any, a: Any) -> bool:
     if type(s) is str and type(a) is str:
         return a in s
-    raise _UNSUPPORTED
+    raise Unsupported
 
 
 _STRING_METHODS = {"startsWith": "_starts", "endsWith": "_ends", "contains": "_contains"}

@@ -276,3 +276,26 @@ def test_policies_decide_the_same_with_and_without_the_python_rules() -> None:
             decided += got.rule is not None and not got.error
             errors += bool(got.error)
     assert decided >= 200 and errors >= 300, (decided, errors)
+
+
+def test_a_fallback_keeps_no_frames_of_the_ones_before() -> None:
+    """Each `Unsupported` is a new exception: a shared instance re-raised gathers every raise's
+    traceback (and the frames, with the call's arguments, they hold) — memory growing with every
+    tool call that falls back to cel-cpp."""
+    fn = compile_rule("args.a > 1", NAMES)
+    assert fn is not None
+    caught = []
+    for _ in range(200):
+        try:
+            fn({"args": {}})
+        except Unsupported as e:
+            caught.append(e)
+    assert len({id(e) for e in caught}) == 200
+
+    def depth(e: BaseException) -> int:
+        n, tb = 0, e.__traceback__
+        while tb is not None:
+            n, tb = n + 1, tb.tb_next
+        return n
+
+    assert max(depth(e) for e in caught) <= 5
