@@ -117,6 +117,7 @@ TARGETS: dict[str, Target] = {
             "x__decide_tree_step*",
             "x__tree_rejection*",
             "x__check_tree_tool_call*",
+            "x_tree_left_after*",
         ),
         what="caps, reservations, settlement, recovery, idempotency, run trees (Redis runs them too)",
     ),
