@@ -30,7 +30,7 @@ from proxy.ledger.base import (
 )
 from proxy.ledger.redis.codec import json_state, state_json
 from proxy.ledger.sqlite.schema import SUB_COLUMNS
-from tests.support.ledgers import USD, die, step, tool
+from tests.support.ledgers import USD, backends, die, step, tool
 
 CENT = USD // 100
 # A call of `step(..., input_tokens=BIG, output=BIG)`: $0.01 of input + up to $0.02 of output.
@@ -440,9 +440,8 @@ def test_a_state_copy_and_a_partial_state_take_every_field() -> None:
     assert part == RunState("x", sub_steps=7)
 
 
+@backends("sqlite")  # SQLite's own columns: the other backends have no such case
 async def test_a_sqlite_file_with_subtree_totals_in_the_tree_array_is_upgraded(make_ledger, tmp_path):  # type: ignore[no-untyped-def]
-    if make_ledger.backend != "sqlite":
-        pytest.skip("SQLite's columns")
     led = make_ledger()
     await call(led, "p")
     await call(led, "k", parent="p")
