@@ -28,6 +28,12 @@ from proxy.money import usd_to_nanos
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}\Z")
 # A run id as the ledger and the admin routes know it: with `[auth] client_tokens` it is
 # `{tenant}:{run id}` (tenant names have no ':', so no two tenants' ids can meet).
+# The caps in whole numbers an operator may set on a run (`POST /runs/{id}/caps`, `runcap caps`),
+# its dollars and deadline aside: the run's own, and the caps of its subtree (run trees).
+OPERATOR_WHOLE_CAPS = (
+    "max_tokens", "max_steps", "max_tool_calls", "max_depth", "max_children", "max_tree_steps",
+    "max_tree_tool_calls",
+)  # fmt: skip
 LEDGER_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,200}\Z")
 _INT_RE = ASCII_INT
 _DECIMAL_RE = PLAIN_DECIMAL

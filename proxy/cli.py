@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from proxy import admin_http
+from proxy.caps import OPERATOR_WHOLE_CAPS
 from proxy.config import ConfigError, load_config
 from proxy.server.auth import cli_admin_token
 from proxy.server.data_dir import PRIVATE_UMASK
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(p)
     p.add_argument("run_id", help="the run, or `suggest`")
     p.add_argument("--max-usd", help="dollar cap (decimal; `none` removes the cap)")
-    for name in ("max-tokens", "max-steps", "max-tool-calls"):
+    for cap in OPERATOR_WHOLE_CAPS:  # the run's own caps, and its subtree's (run trees)
+        name = cap.replace("_", "-")
         p.add_argument(f"--{name}", help=f"{name.replace('-', ' ')} cap (whole number; `none` removes it)")
     p.add_argument("--deadline", help="new deadline: RFC 3339 or Unix seconds (`none` removes it)")
     p.add_argument("--extend", type=float, metavar="SECONDS", help="move the deadline this much later")
@@ -348,7 +350,7 @@ def _caps_body(args: argparse.Namespace) -> dict[str, Any] | None:
 
     if args.max_usd is not None:
         body["max_usd"] = value(args.max_usd, False)
-    for field in ("max_tokens", "max_steps", "max_tool_calls"):
+    for field in OPERATOR_WHOLE_CAPS:
         raw = getattr(args, field)
         if raw is not None:
             body[field] = value(raw, True)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from typing import Any
 
-from proxy.caps import RunCaps, RunRequest, stored_caps
+from proxy.caps import OPERATOR_WHOLE_CAPS, RunCaps, RunRequest, stored_caps
 from proxy.errors import (
     BudgetExceeded,
     DeadlineExceeded,
@@ -501,12 +501,12 @@ class Ledger(abc.ABC):
 
 # A cap an operator may set: RunCaps field → the value (None: remove the cap).
 CapsChange = dict[str, "int | float | None"]
-OPERATOR_CAPS = ("max_usd_nanos", "max_tokens", "max_steps", "max_tool_calls", "deadline")
+OPERATOR_CAPS = ("max_usd_nanos", *OPERATOR_WHOLE_CAPS, "deadline")
 # Statuses a cap put the run in: a top-up that makes room lets the run continue.
 _CAP_STATUSES = {
     "budget_exceeded": ("max_usd_nanos", "max_tokens"),
-    "steps_exceeded": ("max_steps",),
-    "tool_calls_exceeded": ("max_tool_calls",),
+    "steps_exceeded": ("max_steps", "max_tree_steps"),
+    "tool_calls_exceeded": ("max_tool_calls", "max_tree_tool_calls"),
     "deadline_exceeded": ("deadline",),
 }
 _FINAL_REASON_CAP = {
@@ -1011,6 +1011,8 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
     before = totals(state)
     own = state.caps
     view, binds = _tree_view(state, chain)
+    if state.final_reason in ("max_steps", "max_tool_calls"):
+        _resume_if_the_tree_has_room(state, view)
     state.caps = view
     try:
         res = _reserve(state, req)
@@ -1032,6 +1034,23 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
     res.state.caps = own  # (the snapshot was taken under the view)
     propagate(before, state, chain, req.now)
     return replace(res, tree_left=(usd, tokens))
+
+
+def _resume_if_the_tree_has_room(state: RunState, view: RunCaps) -> None:
+    """A run whose answer-only final step was its tree's (an ancestor's `max_tree_steps` /
+    `max_tree_tool_calls` bound) goes on once the tree has room again — an operator topped the
+    ancestor up — as a run whose own raised cap forced that step does (`apply_caps_change`).
+    `view` is the tighter of the run's own cap and its tree's, so a step its own cap forced
+    never has room here."""
+    reason = state.final_reason
+    if reason == "max_steps":
+        used, cap = state.steps, view.max_steps
+    else:
+        used, cap = state.tool_calls, view.max_tool_calls
+    if reason is not None and (cap is None or used < cap):
+        state.final_reason = None
+        if state.status == _FINAL_STATUS[reason] and not state.cancelled:
+            state.status = "active"
 
 
 def tree_left_after(res: Reservation, s: Settlement) -> tuple[int | None, int | None] | None:

@@ -4,6 +4,7 @@ the admin token, and every change is a span of the run (who, when, old and new c
 
 Body (every field optional; absent = unchanged, null = remove that cap):
     {"max_usd": "2.00", "max_tokens": 200000, "max_steps": 30, "max_tool_calls": 10,
+     "max_tree_steps": 200, "max_tree_tool_calls": 50, "max_children": 20, "max_depth": 4,
      "deadline": "2026-12-01T18:00:00Z" | 1764612000, "extend_s": 600,
      "by": "alice", "reason": "approved the long refund"}
 `extend_s` moves the deadline that many seconds past the later of now and the current deadline.
@@ -21,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from proxy.bounds import MAX_CAP, MAX_USD, PLAIN_DECIMAL, OutOfBounds, whole_number
-from proxy.caps import LEDGER_RUN_ID_RE, RunCaps
+from proxy.caps import LEDGER_RUN_ID_RE, OPERATOR_WHOLE_CAPS, RunCaps
 from proxy.config import CapsConfig
 from proxy.errors import InvalidRequest, NotFound, Rejection
 from proxy.ledger.base import CapsChange, Ledger
@@ -32,7 +33,7 @@ from proxy.server.steps.trace import run_snapshot, run_tree
 from proxy.spans.model import Span
 from proxy.spans.recorder import SpanRecorder
 
-_FIELDS = {"max_usd", "max_tokens", "max_steps", "max_tool_calls", "deadline", "extend_s", "by", "reason"}
+_FIELDS = {"max_usd", *OPERATOR_WHOLE_CAPS, "deadline", "extend_s", "by", "reason"}
 
 
 def caps_json(caps: RunCaps) -> dict[str, Any]:
@@ -42,6 +43,10 @@ def caps_json(caps: RunCaps) -> dict[str, Any]:
         "max_steps": caps.max_steps,
         "max_tool_calls": caps.max_tool_calls,
         "deadline": iso(caps.deadline),
+        "max_depth": caps.max_depth,
+        "max_children": caps.max_children,
+        "max_tree_steps": caps.max_tree_steps,
+        "max_tree_tool_calls": caps.max_tree_tool_calls,
     }
 
 
@@ -55,7 +60,7 @@ def parse_change(body: Any, current: RunCaps | None, caps: CapsConfig, now: floa
     change: CapsChange = {}
     if "max_usd" in body:
         change["max_usd_nanos"] = None if body["max_usd"] is None else usd_to_nanos(_usd(body["max_usd"]))
-    for field in ("max_tokens", "max_steps", "max_tool_calls"):
+    for field in OPERATOR_WHOLE_CAPS:
         if field in body:
             value = body[field]
             if value is not None:

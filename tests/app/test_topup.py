@@ -168,3 +168,49 @@ async def test_cli_caps_and_suggest(runcap_factory, upstream, tmp_path) -> None:
                           "WHERE run_id = 'tri-0' AND kind = 'caps_change'", "--json", *at),
     )  # fmt: skip
     assert json.loads(spans.stdout) == [{"kind": "caps_change", "by": "bob"}], spans.stderr
+
+
+async def test_a_top_up_of_a_parents_tree_caps_lets_its_children_continue(
+    runcap_factory, upstream, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Run trees: the refusal of `X-Run-Max-Tree-Steps` tells the operator to top up the parent;
+    `POST /runs/{parent}/caps {"max_tree_steps": ...}` (and `runcap caps --max-tree-steps`) does
+    it, and the child that took the tree's last step goes on. Bad values are a 400 naming them."""
+    rc = await runcap_factory({"tracing": False}, data_dir=tmp_path / "data")
+    await agent(rc, {"X-Run-Id": "boss", "X-Run-Max-Tree-Steps": "2"}).chat.completions.create(
+        model="gpt-4o-mini", messages=USER
+    )
+    kid = agent(rc, {"X-Run-Id": "boss.kid", "X-Run-Parent": "boss"})
+    raw = await kid.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=USER)
+    assert raw.headers["x-run-final-step"] == "true"  # the tree's last step
+    with pytest.raises(openai.APIStatusError) as e:
+        await kid.chat.completions.create(model="gpt-4o-mini", messages=USER)
+    assert e.value.status_code == 402 and "top up run boss" in str(e.value.message)
+    for bad in ({"max_tree_steps": -1}, {"max_children": "many"}, {"max_depth": 1.5}):
+        status, answer = await post_caps(rc, "boss", bad)
+        assert status == 400 and answer["error"]["param"] == next(iter(bad)), answer
+    loop = asyncio.get_running_loop()
+    done = await loop.run_in_executor(
+        None,
+        lambda: cli(
+            "caps",
+            "boss",
+            "--max-tree-steps",
+            "5",
+            "--max-children",
+            "4",
+            "--json",
+            "--url",
+            rc.url,
+            "--data-dir",
+            str(tmp_path / "data"),
+        ),
+    )
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)[0]
+    # (the run's tree caps are its `tree_caps`; `previous_caps` names every cap the route sets)
+    assert answer["previous_caps"]["max_tree_steps"] == 2 and answer["tree_caps"]["max_tree_steps"] == 5
+    assert answer["previous_caps"]["max_children"] is None and answer["tree_caps"]["max_children"] == 4
+    raw = await kid.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=USER)
+    assert raw.headers["x-run-step"] == "2" and "x-run-final-step" not in raw.headers
+    assert (await rc.run("boss.kid"))["status"] == "completed"  # answered, no longer stopped

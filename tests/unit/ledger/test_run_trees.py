@@ -231,6 +231,63 @@ async def test_tree_steps_and_tool_calls(make_ledger):  # type: ignore[no-untype
     assert (await run(led, "p")).sub_tool_calls == 2
 
 
+async def test_a_top_up_of_the_parents_tree_caps_lets_its_subtree_continue(make_ledger):  # type: ignore[no-untyped-def]
+    """The refusal of a tree cap tells the operator to top up the ancestor: that works for the
+    subtree's caps too (steps, tool calls, children, depth), and the stopped runs go on."""
+    led = make_ledger()
+    await call(led, "p", RunCaps(max_tree_steps=2, max_tree_tool_calls=1, max_children=1, max_depth=1))
+    await call(led, "c", parent="p")  # the tree's last step (answer-only)
+    with pytest.raises(BudgetExceeded) as e:
+        await call(led, "c")
+    assert (e.value.code, e.value.run) == ("max_tree_steps", "p") and "top up run p" in e.value.message
+    assert (await led.begin_tool_call(tool("c", "k1"))).action == "execute"
+    with pytest.raises(BudgetExceeded) as e:
+        await led.begin_tool_call(tool("c", "k2"))
+    assert e.value.code == "max_tree_tool_calls"
+    with pytest.raises(BudgetExceeded) as e:  # a second child, and a grandchild: beyond the caps
+        await call(led, "c2", parent="p")
+    with pytest.raises(BudgetExceeded):
+        await call(led, "g", parent="c")
+    change = {"max_tree_steps": 10, "max_tree_tool_calls": 5, "max_children": 3, "max_depth": 2}
+    changed = await led.set_caps("p", change, time.time())
+    assert changed is not None
+    before, after = changed
+    assert (before.max_tree_steps, after.caps.max_tree_steps, after.status) == (2, 10, "active")
+    assert (after.caps.max_children, after.caps.max_depth, after.caps.max_tree_tool_calls) == (3, 2, 5)
+    assert (await call(led, "c")).status == "active"
+    assert (await led.begin_tool_call(tool("c", "k2"))).action == "execute"
+    assert (await call(led, "c2", parent="p")).parent_run_id == "p"
+    assert (await call(led, "g", parent="c")).ancestors == ("c", "p")
+    # A child whose own cap forced its final step stays stopped, whatever room the tree has.
+    await call(led, "own", RunCaps(max_steps=1), parent="p")
+    with pytest.raises(BudgetExceeded) as e:
+        await call(led, "own")
+    assert e.value.code == "max_steps" and (await run(led, "own")).status == "steps_exceeded"
+    assert "already had its answer-only final step" in e.value.message  # its own, not the tree's
+    # Kept across restarts of the ledger (stored), and not raised again by a child's headers.
+    p = await run(led, "p")
+    assert (p.caps.max_tree_steps, p.caps.max_children) == (10, 3)
+    await call(led, "p", RunCaps(max_tree_steps=1000))
+    assert (await run(led, "p")).caps.max_tree_steps == 10
+
+
+async def test_a_child_stopped_by_its_trees_tool_calls_goes_on_after_a_top_up(make_ledger):  # type: ignore[no-untyped-def]
+    led = make_ledger()
+    await call(led, "p", RunCaps(max_tree_tool_calls=1))
+    await call(led, "c", parent="p")
+    assert (await led.begin_tool_call(tool("c", "k1"))).action == "execute"  # the tree's last one
+    final = await led.begin_step(step("c", RunCaps()))
+    assert final.final_step  # answer-only: no tool calls left in the tree
+    await led.settle(final, Settlement(), time.time())
+    with pytest.raises(BudgetExceeded):
+        await call(led, "c")
+    await led.set_caps("p", {"max_tree_tool_calls": 3}, time.time())
+    after = await led.begin_step(step("c", RunCaps()))
+    assert not after.final_step  # room for tool calls again: a full step
+    await led.settle(after, Settlement(), time.time())
+    assert (await run(led, "c")).status == "active"
+
+
 async def test_cancel_and_deadline_reach_down_the_tree(make_ledger):  # type: ignore[no-untyped-def]
     led = make_ledger()
     await call(led, "p", RunCaps(timeout_s=60))
