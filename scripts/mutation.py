@@ -118,6 +118,7 @@ TARGETS: dict[str, Target] = {
             "x__tree_rejection*",
             "x__check_tree_tool_call*",
             "x_tree_left_after*",
+            "x__resume_if_the_tree_has_room*",
         ),
         what="caps, reservations, settlement, recovery, idempotency, run trees (Redis runs them too)",
     ),

@@ -1049,7 +1049,7 @@ def _resume_if_the_tree_has_room(state: RunState, view: RunCaps) -> None:
         used, cap = state.tool_calls, view.max_tool_calls
     if reason is not None and (cap is None or used < cap):
         state.final_reason = None
-        if state.status == _FINAL_STATUS[reason] and not state.cancelled:
+        if state.status == _FINAL_STATUS[reason]:  # (a cancelled run was refused before this)
             state.status = "active"
 
 

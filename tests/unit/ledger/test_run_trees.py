@@ -284,6 +284,7 @@ async def test_a_child_stopped_by_its_trees_tool_calls_goes_on_after_a_top_up(ma
     await led.set_caps("p", {"max_tree_tool_calls": 3}, time.time())
     after = await led.begin_step(step("c", RunCaps()))
     assert not after.final_step  # room for tool calls again: a full step
+    assert after.state.status == (await run(led, "c")).status == "active"  # while the call is in flight
     await led.settle(after, Settlement(), time.time())
     assert (await run(led, "c")).status == "active"
 
