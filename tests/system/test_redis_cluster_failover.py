@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
 from proxy.caps import RunCaps
 from proxy.errors import BudgetExceeded
@@ -105,6 +105,13 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
         await asyncio.to_thread(cluster.wait_ok)
         promoted.set()
 
+    def unavailable(led: RedisLedger, e: Exception) -> None:
+        """What the guarded ledger answers as 503 (`failure_code`: redis-py's errors, and its own
+        code failing mid-failover, e.g. an AttributeError on a connection it dropped) is retried;
+        anything else is a bug, raised."""
+        if led.failure_code(e) is None:
+            raise e
+
     async def after_failover(e: Exception, tries: int) -> None:
         """A ledger error: only once the master is dead; wait for the cluster to be whole, then
         pace the next try (a try that fails at once must not spin the event loop)."""
@@ -122,7 +129,8 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
                 )
                 acknowledged += PER_CALL
                 return
-            except (RedisError, RedisClusterException, OSError) as e:
+            except Exception as e:
+                unavailable(led, e)
                 await after_failover(e, tries)
 
     async def worker(led: RedisLedger) -> None:
@@ -132,7 +140,8 @@ async def load_with_failover(cluster: RedisClusterServers, wait_replicas: int) -
                 res = await led.begin_step(step(run_id, caps))
             except BudgetExceeded:
                 return
-            except (RedisError, RedisClusterException, OSError) as e:
+            except Exception as e:
+                unavailable(led, e)
                 errors += 1
                 await after_failover(e, 0)
                 continue
