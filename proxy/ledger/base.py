@@ -1011,8 +1011,7 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
     before = totals(state)
     own = state.caps
     view, binds = _tree_view(state, chain)
-    if state.final_reason in ("max_steps", "max_tool_calls"):
-        _resume_if_the_tree_has_room(state, view)
+    _resume_if_the_tree_has_room(state, view)
     state.caps = view
     try:
         res = _reserve(state, req)
@@ -1045,9 +1044,11 @@ def _resume_if_the_tree_has_room(state: RunState, view: RunCaps) -> None:
     reason = state.final_reason
     if reason == "max_steps":
         used, cap = state.steps, view.max_steps
-    else:
+    elif reason == "max_tool_calls":
         used, cap = state.tool_calls, view.max_tool_calls
-    if reason is not None and (cap is None or used < cap):
+    else:
+        return  # no final step, or one of repeats: not a cap a tree lowers
+    if cap is None or used < cap:
         state.final_reason = None
         if state.status == _FINAL_STATUS[reason]:  # (a cancelled run was refused before this)
             state.status = "active"

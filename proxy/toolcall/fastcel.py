@@ -161,19 +161,19 @@ class _Parser:
         return f"(({yes}) if ({t} := {cond}) is True else (({no}) if {t} is False else _u()))"
 
     def or_(self) -> str:
-        left = self.and_()
-        while self.is_op("||"):
-            self.take()
-            t = self.temp()
-            left = f"(True if ({t} := {left}) is True else _or({t}, {self.and_()}))"
-        return left
+        return self.logic("||", self.and_, "True", "_or")
 
     def and_(self) -> str:
-        left = self.relation()
-        while self.is_op("&&"):
+        return self.logic("&&", self.relation, "False", "_and")
+
+    def logic(self, op: str, operand: Callable[[], str], decides: str, helper: str) -> str:
+        """`a || b` / `a && b`, left to right: the left side alone decides when it is `decides`
+        (True for ||, False for &&); else `helper` gives CEL's value of both."""
+        left = operand()
+        while self.is_op(op):
             self.take()
             t = self.temp()
-            left = f"(False if ({t} := {left}) is False else _and({t}, {self.relation()}))"
+            left = f"({decides} if ({t} := {left}) is {decides} else {helper}({t}, {operand()}))"
         return left
 
     def relation(self) -> str:
