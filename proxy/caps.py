@@ -109,6 +109,31 @@ class RunCaps:
             _min(self.max_tree_tool_calls, other.max_tree_tool_calls),
         )
 
+    def with_budget(
+        self,
+        max_usd_nanos: int | None,
+        max_tokens: int | None,
+        max_steps: int | None,
+        max_tool_calls: int | None,
+    ) -> RunCaps:
+        """These caps with the four budgets a run tree lowers (`base._tree_view`) replaced:
+        built positionally, as every call of a sub-run does (`dataclasses.replace` costs
+        several times more)."""
+        return RunCaps(
+            max_usd_nanos,
+            max_tokens,
+            max_steps,
+            max_tool_calls,
+            self.deadline,
+            self.timeout_s,
+            self.max_context_tokens,
+            self.max_repeats,
+            self.max_depth,
+            self.max_children,
+            self.max_tree_steps,
+            self.max_tree_tool_calls,
+        )
+
     def resolve_deadline(self, started_at: float) -> RunCaps:
         if self.timeout_s is None:
             return self

@@ -621,7 +621,9 @@ def decide_step(state: RunState, req: StepRequest, chain: Sequence[RunState | No
     return reservation
 
 
-def _reserve(state: RunState, req: StepRequest) -> Reservation:
+def _reserve(state: RunState, req: StepRequest, *, in_tree: bool = False) -> Reservation:
+    """The reservation of a call of `state` under `state.caps` (for a run `in_tree`, the tree's
+    view of them: `_tree_view`), or the rejection of the cap it passes."""
     caps = state.caps
     final_reason: str | None = None
     limit_failures = req.max_upstream_failures
@@ -734,6 +736,14 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
     state.reserved_tokens += input_tokens + limit
     if state.status not in TERMINAL_STATUSES:
         state.status = "active"
+    tree_left = None
+    if in_tree:  # what the view's caps leave now: the tightest of the run's and its ancestors'
+        held_usd = state.spent_usd_nanos + state.reserved_usd_nanos
+        held_tokens = state.tokens_used + state.reserved_tokens
+        tree_left = (
+            None if caps.max_usd_nanos is None else caps.max_usd_nanos - held_usd,
+            None if caps.max_tokens is None else caps.max_tokens - held_tokens,
+        )
     return Reservation(
         id=f"{_RESERVATION_PREFIX}-{next(_RESERVATION_SEQ)}",
         run_id=state.run_id,
@@ -749,6 +759,7 @@ def _reserve(state: RunState, req: StepRequest) -> Reservation:
         hosted_uses=hosted_uses,
         uses=uses,
         request_fingerprint=req.request_fingerprint,
+        tree_left=tree_left,
     )
 
 
@@ -965,45 +976,51 @@ def propagate(before: Totals, state: RunState, chain: Sequence[RunState | None],
         node.updated_at = max(node.updated_at, now)  # argMax(updated_at) picks the newest
 
 
-def _tightest(
-    nodes: Sequence[RunState], cap: Callable[[RunState], int | None], used: Callable[[RunState], int]
-) -> tuple[int, RunState] | None:
-    """(what is left, the node it is left of) of the tightest of the nodes' caps; None: no cap."""
-    best: tuple[int, RunState] | None = None
-    for node in nodes:
-        limit = cap(node)
-        if limit is not None and (best is None or limit - used(node) < best[0]):
-            best = (limit - used(node), node)
-    return best
-
-
 def _tree_view(state: RunState, chain: Sequence[RunState | None]) -> tuple[RunCaps, dict[str, RunState]]:
     """The caps a call of `state` is decided under: each of its own lowered to what its subtree
     and every ancestor's leave it; and, for each cap a tree node binds (an ancestor's, or the
-    run's own subtree cap), that node — keyed by the code `_reserve` raises."""
-    nodes = [state, *(n for n in chain if n is not None)]
+    run's own subtree cap), that node — keyed by the code `_reserve` raises. Of nodes that leave
+    the same, the nearest binds (the run itself first). One pass over the chain: every call of a
+    sub-run makes it."""
+    usd = tokens = steps = calls = None  # (what is left, the node it is left of) of each tightest cap
+    for node in (state, *chain):
+        if node is None:
+            continue
+        nc = node.caps
+        if nc.max_usd_nanos is not None:
+            left = nc.max_usd_nanos - node.tree_usd_nanos
+            if usd is None or left < usd[0]:
+                usd = (left, node)
+        if nc.max_tokens is not None:
+            left = nc.max_tokens - node.tree_tokens
+            if tokens is None or left < tokens[0]:
+                tokens = (left, node)
+        if nc.max_tree_steps is not None:
+            left = nc.max_tree_steps - node.steps - node.sub_steps
+            if steps is None or left < steps[0]:
+                steps = (left, node)
+        if nc.max_tree_tool_calls is not None:
+            left = nc.max_tree_tool_calls - node.tool_calls - node.sub_tool_calls
+            if calls is None or left < calls[0]:
+                calls = (left, node)
     c = state.caps
     binds: dict[str, RunState] = {}
-    lowered: dict[str, int] = {}
-    usd = _tightest(nodes, lambda n: n.caps.max_usd_nanos, lambda n: n.tree_usd_nanos)
+    max_usd, max_tokens, max_steps, max_calls = c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls
     if usd is not None:
-        lowered["max_usd_nanos"] = state.spent_usd_nanos + state.reserved_usd_nanos + usd[0]
+        max_usd = state.spent_usd_nanos + state.reserved_usd_nanos + usd[0]
         binds["max_usd"] = usd[1]
-    tokens = _tightest(nodes, lambda n: n.caps.max_tokens, lambda n: n.tree_tokens)
     if tokens is not None:
-        lowered["max_tokens"] = state.tokens_used + state.reserved_tokens + tokens[0]
+        max_tokens = state.tokens_used + state.reserved_tokens + tokens[0]
         binds["max_tokens"] = tokens[1]
-    steps = _tightest(nodes, lambda n: n.caps.max_tree_steps, lambda n: n.steps + n.sub_steps)
-    if steps is not None and (c.max_steps is None or state.steps + steps[0] < c.max_steps):
-        lowered["max_steps"] = state.steps + max(0, steps[0])
+    if steps is not None and (max_steps is None or state.steps + steps[0] < max_steps):
+        max_steps = state.steps + max(0, steps[0])
         binds["max_steps"] = steps[1]
-    calls = _tightest(
-        nodes, lambda n: n.caps.max_tree_tool_calls, lambda n: n.tool_calls + n.sub_tool_calls
-    )
-    if calls is not None and (c.max_tool_calls is None or state.tool_calls + calls[0] < c.max_tool_calls):
-        lowered["max_tool_calls"] = state.tool_calls + max(0, calls[0])
+    if calls is not None and (max_calls is None or state.tool_calls + calls[0] < max_calls):
+        max_calls = state.tool_calls + max(0, calls[0])
         binds["max_tool_calls"] = calls[1]
-    return (replace(c, **lowered) if lowered else c), binds  # (one construction, not one per cap)
+    if not binds:
+        return c, binds
+    return c.with_budget(max_usd, max_tokens, max_steps, max_calls), binds
 
 
 def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunState | None]) -> Reservation:
@@ -1014,7 +1031,7 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
     _resume_if_the_tree_has_room(state, view)
     state.caps = view
     try:
-        res = _reserve(state, req)
+        res = _reserve(state, req, in_tree=True)
     except Rejection as rej:
         state.caps = own
         node = binds.get(rej.code or "")
@@ -1024,15 +1041,10 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
                 _set_status(state, rej.run_status)
             raise
         raise _tree_rejection(state, node, rej) from None
-    # What the view's caps leave after this reservation: the tightest of the run's and its
-    # ancestors' (the view lowered each to it).
-    held = state.spent_usd_nanos + state.reserved_usd_nanos
-    usd = None if view.max_usd_nanos is None else view.max_usd_nanos - held
-    tokens = None if view.max_tokens is None else view.max_tokens - state.tokens_used - state.reserved_tokens
     state.caps = own
     res.state.caps = own  # (the snapshot was taken under the view)
     propagate(before, state, chain, req.now)
-    return replace(res, tree_left=(usd, tokens))
+    return res
 
 
 def _resume_if_the_tree_has_room(state: RunState, view: RunCaps) -> None:
