@@ -610,7 +610,7 @@ def decide_step(state: RunState, req: StepRequest, chain: Sequence[RunState | No
     with it in the same way."""
     merge_caps(state, req.task, req.caps, req.now)
     check_live(state, req.now)
-    if chain or state.children:
+    if in_tree(state, chain):
         return _decide_tree_step(state, req, chain)
     try:
         reservation = _reserve(state, req)
@@ -793,7 +793,8 @@ def tree_values(s: RunState) -> list[object]:
         s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens,
         s.sub_steps, s.sub_tool_calls, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
     ]  # fmt: skip
-    return values if any(values) else []
+    # A cap of 0 is a cap ("no sub-runs"), not its absence: kept even when it is all there is.
+    return values if any(values[:10]) or any(v is not None for v in values[10:]) else []
 
 
 def load_tree_values(state: RunState, t: Sequence[Any]) -> None:
@@ -914,6 +915,14 @@ def open_run(
 
 def _min_opt(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
+
+
+def in_tree(state: RunState, chain: Sequence[RunState | None]) -> bool:
+    """Whether a call of `state` is decided under its tree's rules: it has ancestors or children,
+    or caps its own subtree — which counts the run itself from its first call, children or not."""
+    c = state.caps
+    own_tree_caps = c.max_tree_steps is not None or c.max_tree_tool_calls is not None
+    return bool(chain) or state.children > 0 or own_tree_caps
 
 
 def check_tree_live(state: RunState, chain: Sequence[RunState | None], now: float) -> None:
@@ -1458,7 +1467,7 @@ def decide_tool_call(
             f"X-Run-Max-Tool-Calls: run {state.run_id} has used all {caps.max_tool_calls} tool calls; "
             "the call was not executed — answer without it or start a new run",
         )
-    if (chain or state.children) and state.tool_calls_executed + 1 > state.tool_calls_requested:
+    if in_tree(state, chain) and state.tool_calls_executed + 1 > state.tool_calls_requested:
         _check_tree_tool_call(state, chain)
     before = totals(state)
     state.tool_calls_executed += 1

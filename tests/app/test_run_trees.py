@@ -118,6 +118,11 @@ async def test_a_bad_parent_depth_and_fan_out_are_named_refusals(runcap_factory,
     assert (await ask({"X-Run-Id": kid}))[0] == 200
     status, error = await ask({"X-Run-Parent": f"{tag}-other"}, f"{rc.url}/r/{kid}/p/{root}/v1")
     assert (status, error["param"]) == (400, "X-Run-Parent")  # the header disagrees with the path
+    # X-Run-Max-Depth: 0 is "no sub-runs", not "no cap" (it was once stored as no cap at all).
+    leaf_only = f"{tag}-leafonly"
+    assert (await ask({"X-Run-Id": leaf_only, "X-Run-Max-Depth": "0"}))[0] == 200
+    status, error = await ask({"X-Run-Id": f"{tag}-sub", "X-Run-Parent": leaf_only})
+    assert (status, error["code"], error["run"]) == (402, "max_depth", leaf_only)
 
 
 async def test_a_tenant_cannot_name_another_tenants_run_as_parent(runcap_factory, upstream) -> None:  # type: ignore[no-untyped-def]

@@ -124,6 +124,38 @@ async def test_depth_and_fan_out_are_caps(make_ledger):  # type: ignore[no-untyp
     assert await led.get_run("r.1.3") is None and (await run(led, "r.1")).children == 2
 
 
+@pytest.mark.parametrize("cap", ["max_depth", "max_children"])
+async def test_a_zero_depth_or_fan_out_cap_is_kept_and_refuses_every_child(make_ledger, cap):  # type: ignore[no-untyped-def]
+    # 0 is a cap ("no sub-runs"), not its absence: a run whose only tree field it is keeps it.
+    led = make_ledger()
+    await call(led, "r", RunCaps(**{cap: 0}))
+    assert getattr((await run(led, "r")).caps, cap) == 0
+    with pytest.raises(BudgetExceeded) as e:
+        await call(led, "r.1", parent="r")
+    assert (e.value.code, e.value.run) == (cap, "r")
+    assert await led.get_run("r.1") is None
+
+
+async def test_a_runs_own_tree_caps_bound_it_before_it_has_children(make_ledger):  # type: ignore[no-untyped-def]
+    # "this run and all its descendants together": the run itself counts from its first call.
+    led = make_ledger()
+    caps = RunCaps(max_tree_steps=2, max_tree_tool_calls=1)
+    assert not (await led.begin_step(step("r", caps))).final_step
+    final = await led.begin_step(step("r", caps))
+    assert final.final_step  # its tree's last step: answer-only
+    with pytest.raises(BudgetExceeded) as e:
+        await led.begin_step(step("r", caps))
+    assert e.value.code == "max_tree_steps"
+    assert (await led.begin_tool_call(tool("r", "k1", caps))).action == "execute"
+    with pytest.raises(BudgetExceeded) as e:
+        await led.begin_tool_call(tool("r", "k2", caps))
+    assert e.value.code == "max_tree_tool_calls"
+    z = RunCaps(max_tree_steps=0)
+    with pytest.raises(BudgetExceeded) as e:  # a zero cap: not even one
+        await led.begin_step(step("z", z))
+    assert e.value.code == "max_tree_steps" and (await run(led, "z")).caps.max_tree_steps == 0
+
+
 async def test_an_ancestors_cap_bounds_a_child_and_is_named(make_ledger):  # type: ignore[no-untyped-def]
     led = make_ledger()
     await call(led, "p", RunCaps(max_usd_nanos=5 * CENT), input_tokens=1000, output=1000)  # $0.003
