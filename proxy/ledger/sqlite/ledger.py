@@ -46,6 +46,7 @@ from proxy.ledger.sqlite.schema import (
     add_child,
     child_ids,
     load_ancestors,
+    load_chain,
     load_record,
     load_run,
     row_to_record,
@@ -64,6 +65,8 @@ log = logging.getLogger("runcap.ledger")
 # Below this many free bytes on the ledger's disk runcap is not ready: SQLite needs room to grow
 # its WAL, and a write that fits today's WAL by luck says nothing about the next one.
 MIN_FREE_BYTES = 1 << 20
+# Sub-runs whose ancestors a ledger remembers (`_chain_of`); forgotten all at once beyond.
+ANCESTORS_KEPT = 16384
 
 
 class SQLiteLedger(base.Ledger):
@@ -93,6 +96,8 @@ class SQLiteLedger(base.Ledger):
         with transaction(self._db) as db:  # under the write lock: see schema.py
             upgrade(db)
         self._writes = GroupCommit(self._db)
+        # Sub-runs' ancestors as last read (`_chain_of`): a run's are fixed when it is created.
+        self._ancestors_of: dict[str, tuple[str, ...]] = {}
         self.owner = secrets.token_hex(8)
         self._owners = OwnerFiles(self.path.parent / "ledger-owners", self.owner)
         self._owner_file = self._owners.own_file
@@ -147,11 +152,22 @@ class SQLiteLedger(base.Ledger):
         return state, chain, False
 
     def _chain_of(self, run_id: str) -> tuple[base.RunState | None, list[base.RunState | None]]:
-        """The run and what its calls check of its ancestors (`load_ancestors`; none for a root)."""
-        state = load_run(self._db, run_id)
+        """The run and what its calls check of its ancestors (none for a root): in one statement
+        once this process has seen the run's ancestors (`load_chain`, which checks them against
+        the stored run), in two before."""
+        known = self._ancestors_of.get(run_id)
+        if known is not None:
+            state, chain = load_chain(self._db, run_id, known)
+        else:
+            state = load_run(self._db, run_id)
+            chain = load_ancestors(self._db, state.ancestors) if state is not None and state.ancestors else []
         if state is None or not state.ancestors:
-            return state, []
-        return state, load_ancestors(self._db, state.ancestors)
+            self._ancestors_of.pop(run_id, None)
+        elif state.ancestors is not known:
+            if len(self._ancestors_of) >= ANCESTORS_KEPT:
+                self._ancestors_of.clear()
+            self._ancestors_of[run_id] = state.ancestors
+        return state, chain
 
     def _save_chain(
         self,

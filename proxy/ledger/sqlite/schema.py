@@ -19,14 +19,11 @@ from proxy.caps import stored_caps
 from proxy.ledger.base import (
     CHILD_IDS_KEPT,
     SUB_TOTALS,
-    TREE_CAPS_AT,
     IdempotencyRecord,
     RunState,
     Totals,
     change,
-    load_tree_values,
     partial_state,
-    tree_values,
 )
 from proxy.ledger.repeats import Repeats
 
@@ -165,14 +162,53 @@ COLUMNS = (
 UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 32)})"
 
 
+# A run's `tree` column parsed (`_parse_tree`): parent, root, ancestors, children count and tree
+# caps — `tree_values` less the subtree totals. A run's tree fields hardly change (a new child, an
+# operator's tree cap) while every call of the run, and of each of its descendants, reads and
+# writes them: each distinct text is parsed, and each distinct tuple encoded, once.
+_TreeFields = tuple[str, str, tuple[str, ...], int, int | None, int | None, int | None, int | None]
+_NO_TREE_FIELDS: _TreeFields = ("", "", (), 0, None, None, None, None)
+_PARSED: dict[str, _TreeFields] = {}
+_ENCODED: dict[_TreeFields, str] = {}
+TREES_KEPT = 4096
+
+
+def _parse_tree(raw: str) -> _TreeFields:
+    fields = _PARSED.get(raw)
+    if fields is None:
+        t = json.loads(raw)
+        fields = (t[0], t[1], tuple(t[2]), t[3], t[4], t[5], t[6], t[7])
+        if len(_PARSED) >= TREES_KEPT:
+            _PARSED.clear()
+        _PARSED[raw] = fields
+    return fields
+
+
+def _encode_tree(fields: _TreeFields) -> str:
+    raw = _ENCODED.get(fields)
+    if raw is None:
+        parent, root, ancestors, *rest = fields
+        raw = json.dumps([parent, root, list(ancestors), *rest])
+        if len(_ENCODED) >= TREES_KEPT:
+            _ENCODED.clear()
+        _ENCODED[fields] = raw
+    return raw
+
+
 def row_to_state(row: tuple[Any, ...]) -> RunState:
-    state = RunState(
+    parent, root, ancestors, children, depth, fan_out, tree_steps, tree_calls = (
+        _parse_tree(row[25]) if row[25] else _NO_TREE_FIELDS
+    )
+    caps = stored_caps(
+        row[5], row[6], row[7], row[8], row[9], None, None, row[23], depth, fan_out, tree_steps, tree_calls
+    )
+    return RunState(
         run_id=row[0],
         task=row[1],
         status=row[2],
         started_at=row[3],
         updated_at=row[4],
-        caps=stored_caps(row[5], row[6], row[7], row[8], row[9], None, None, row[23]),
+        caps=caps,
         spent_usd_nanos=row[10],
         input_tokens=row[11],
         output_tokens=row[12],
@@ -187,12 +223,17 @@ def row_to_state(row: tuple[Any, ...]) -> RunState:
         context_baseline=row[21],
         upstream_failures=row[22],
         repeats=Repeats.from_json(row[24]),
+        parent_run_id=parent,
+        root_run_id=root,
+        ancestors=ancestors,
+        children=children,
+        sub_spent_usd_nanos=row[26],
+        sub_reserved_usd_nanos=row[27],
+        sub_tokens=row[28],
+        sub_reserved_tokens=row[29],
+        sub_steps=row[30],
+        sub_tool_calls=row[31],
     )
-    if row[25]:
-        t = json.loads(row[25])
-        t[SUB_TOTALS.start : SUB_TOTALS.start] = row[26:32]
-        load_tree_values(state, t)
-    return state
 
 
 def state_to_row(s: RunState) -> tuple[Any, ...]:
@@ -203,22 +244,23 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
         s.spent_usd_nanos, s.input_tokens, s.output_tokens, s.steps, s.tool_calls_requested,
         s.tool_calls_executed, s.reserved_usd_nanos, s.reserved_tokens, s.final_reason, int(s.cancelled),
         s.operator_caps, s.context_baseline, s.upstream_failures, c.max_repeats, s.repeats.to_json(),
-        *_tree_columns(s),
+        _tree_column(s),
+        s.sub_spent_usd_nanos, s.sub_reserved_usd_nanos, s.sub_tokens, s.sub_reserved_tokens, s.sub_steps,
+        s.sub_tool_calls,
     )  # fmt: skip
 
 
-_NO_TREE = ("", 0, 0, 0, 0, 0, 0)
-
-
-def _tree_columns(s: RunState) -> tuple[Any, ...]:
-    """A run's tree fields: the JSON array of `tree_values` without the subtree totals, then
-    those ('' and zeros for a run in no tree and without tree caps)."""
-    values = tree_values(s)
-    if not values:
-        return _NO_TREE
-    subs = values[SUB_TOTALS]
-    del values[SUB_TOTALS]
-    return (json.dumps(values), *subs)
+def _tree_column(s: RunState) -> str:
+    """A run's `tree` column: the JSON array of `tree_values` without the subtree totals (which
+    have columns of their own); '' for a run in no tree and without tree caps (`tree_values`)."""
+    c = s.caps
+    fields = (
+        s.parent_run_id, s.root_run_id, s.ancestors, s.children,
+        c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+    )  # fmt: skip
+    if fields == _NO_TREE_FIELDS:
+        return ""  # the subtree totals of a run without children are 0: its columns hold them
+    return _encode_tree(fields)
 
 
 def save_runs(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:
@@ -234,15 +276,12 @@ def _add_to_ancestors(n: int) -> str:
 
 # What a call of a sub-run checks of each ancestor (`base._tree_view`, `check_tree_live`, and a new
 # child's `open_run` beyond its parent): its dollar, token, depth and tree caps, deadline, totals,
-# subtree totals, status and cancel flag. The tree
-# caps are read out of the `tree` array (`base.tree_values` less the subtree totals).
-TREE_CAPS = ("max_depth", "max_tree_steps", "max_tree_tool_calls")
-_TREE_CAP_AT = {cap: at - (SUB_TOTALS.stop - SUB_TOTALS.start) for cap, at in TREE_CAPS_AT.items()}
+# subtree totals, status and cancel flag — the tree caps out of its `tree` column (`_parse_tree`).
 _ANCESTOR_COLUMNS = (
     "run_id, status, cancelled, max_usd, max_tokens, deadline, spent_usd, input_tokens, output_tokens, "
     "steps, tool_calls_requested, tool_calls_executed, reserved_usd, reserved_tokens, "
     + ", ".join(SUB_COLUMNS)
-    + "".join(f", json_extract(tree, '$[{_TREE_CAP_AT[c]}]')" for c in TREE_CAPS)
+    + ", tree"
 )
 
 
@@ -259,19 +298,55 @@ _ancestor = partial_state(
 _NO_REPEATS = Repeats()
 
 
+def _ancestor_of(r: tuple[Any, ...]) -> RunState:
+    """An `_ANCESTOR_COLUMNS` row as a partial state (no task, tree links, repeats...): never
+    saved whole — what a call changes in it is written by `add_change` and `save_statuses`."""
+    _, _, _, _, depth, _, tree_steps, tree_calls = _parse_tree(r[20]) if r[20] else _NO_TREE_FIELDS
+    caps = stored_caps(r[3], r[4], None, None, r[5], None, None, None, depth, None, tree_steps, tree_calls)
+    return _ancestor(r[0], r[1], bool(r[2]), caps, *r[6:20], _NO_REPEATS)
+
+
 def load_ancestors(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
-    """A run's ancestors as a call of the run checks them, in one narrow statement: partial
-    states (no task, tree links, repeats...), so never saved whole — what a call changes in them
-    is written by `save_run_changed` (their subtree totals) and `save_statuses`."""
+    """A run's ancestors as a call of the run checks them (`_ancestor_of`), in one narrow
+    statement; None for one that expired."""
     rows = db.execute(
         f"SELECT {_ANCESTOR_COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * len(run_ids))})",
         tuple(run_ids),
     ).fetchall()
-    found = {}
-    for r in rows:
-        caps = stored_caps(r[3], r[4], None, None, r[5], None, None, None, r[20], None, r[21], r[22])
-        found[r[0]] = _ancestor(r[0], r[1], bool(r[2]), caps, *r[6:20], _NO_REPEATS)
+    found = {r[0]: _ancestor_of(r) for r in rows}
     return [found.get(run_id) for run_id in run_ids]
+
+
+@functools.cache
+def _chain_sql(n: int) -> str:
+    """A run's row, whole, and `n` ancestors' `_ANCESTOR_COLUMNS` (padded to as many columns),
+    in one statement (made once per depth)."""
+    pad = ", NULL" * (COLUMNS.count(",") - _ANCESTOR_COLUMNS.count(","))
+    return (
+        f"SELECT {COLUMNS} FROM runs WHERE run_id = ? UNION ALL "
+        f"SELECT {_ANCESTOR_COLUMNS}{pad} FROM runs WHERE run_id IN ({', '.join('?' * n)})"
+    )
+
+
+def load_chain(
+    db: sqlite3.Connection, run_id: str, ancestors: Sequence[str]
+) -> tuple[RunState | None, list[RunState | None]]:
+    """A run, and its ancestors as its calls check them, in one statement — given what the caller
+    believes its ancestors are (a run's are fixed when it is created). What the stored run names
+    is what counts: when it names others (it expired and was opened again elsewhere in a tree),
+    they are read as `load_ancestors` does; none for a run that is not stored."""
+    rows = db.execute(_chain_sql(len(ancestors)), (run_id, *ancestors)).fetchall()
+    state, found = None, {}
+    for r in rows:
+        if r[0] == run_id:  # (a run is never its own ancestor)
+            state = row_to_state(r)
+        else:
+            found[r[0]] = _ancestor_of(r)
+    if state is None:
+        return None, []
+    if state.ancestors != tuple(ancestors):
+        return state, load_ancestors(db, state.ancestors) if state.ancestors else []
+    return state, [found.get(a) for a in ancestors]
 
 
 def save_statuses(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:

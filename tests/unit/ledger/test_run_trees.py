@@ -27,9 +27,10 @@ from proxy.ledger.base import (
     propagate,
     totals,
     tree_left_after,
+    tree_values,
 )
 from proxy.ledger.redis.codec import json_state, state_json
-from proxy.ledger.sqlite.schema import SUB_COLUMNS
+from proxy.ledger.sqlite.schema import SUB_COLUMNS, row_to_state, state_to_row
 from tests.support.ledgers import USD, backends, die, step, tool
 
 CENT = USD // 100
@@ -559,6 +560,43 @@ async def test_a_sqlite_file_with_subtree_totals_in_the_tree_array_is_upgraded(m
     g = await call(led, "g")  # and the totals go on from there
     added = g.spent_usd_nanos - before["g"].spent_usd_nanos
     assert added > 0 and (await run(led, "p")).sub_spent_usd_nanos == before["p"].sub_spent_usd_nanos + added
+
+
+@backends("sqlite")  # the SQLite ledger's memory of a run's ancestors
+async def test_a_run_opened_again_under_another_parent_is_checked_against_its_new_ancestors(make_ledger):  # type: ignore[no-untyped-def]
+    # A run's ancestors are fixed while it lives, so the ledger reads them with the run in one
+    # statement once it has seen them; a run that expired and was opened again under another
+    # parent is checked against the ancestors its row names, not those remembered.
+    led = make_ledger()
+    await call(led, "p")
+    await call(led, "q", RunCaps(max_usd_nanos=CENT))
+    await call(led, "c", parent="p")
+    await call(led, "c")  # read with its remembered ancestors
+    with sqlite3.connect(led.path) as db:  # c expires (purged) ...
+        db.execute("DELETE FROM runs WHERE run_id = 'c'")
+    await call(make_ledger(), "c", parent="q")  # ... and another worker opens it again, under q
+    with pytest.raises(BudgetExceeded) as e:  # q's cent is what binds it now, here too
+        await call(led, "c", input_tokens=BIG, output=BIG)
+    assert (e.value.code, e.value.run) == ("max_usd", "q")
+    assert (await run(led, "c")).ancestors == ("q",)
+
+
+def test_the_sqlite_tree_column_is_the_tree_values_less_the_subtree_totals() -> None:
+    states = [
+        RunState("r"),
+        RunState("r", caps=RunCaps(max_depth=0)),
+        RunState("r", children=2, sub_steps=3, caps=RunCaps(max_tree_steps=9, max_children=0)),
+        RunState("c", parent_run_id="p", root_run_id="g", ancestors=("p", "g")),
+    ]
+    for state in states:
+        row = state_to_row(state)
+        values = tree_values(state)
+        del values[SUB_TOTALS]
+        assert (json.loads(row[25]) if row[25] else []) == values
+        again = row_to_state(row)
+        assert (again.caps, again.ancestors, again.children, again.sub_steps) == (
+            state.caps, state.ancestors, state.children, state.sub_steps,
+        )  # fmt: skip
 
 
 def test_propagate_adds_the_change_of_each_total_to_every_ancestor() -> None:
