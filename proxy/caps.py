@@ -9,6 +9,8 @@ caps are fixed when the run is first seen and later requests may only lower them
 from __future__ import annotations
 
 import difflib
+import os
+import random
 import re
 import secrets
 import time
@@ -189,6 +191,14 @@ class RunRequest:
     parent: str = ""
 
 
+# Generated run ids (a request without X-Run-Id is its own run) need to be unique, not secret —
+# the id is only ever a name in the caller's own tenant, returned to it — so, as span ids, they
+# come from a PRNG seeded from the OS (re-seeded in a forked child) instead of a getrandom()
+# syscall per request.
+_run_ids = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _run_ids.seed(secrets.randbits(128)))
+
+
 def claimed_run_id(headers: Mapping[str, str]) -> str | None:
     """The request's X-Run-Id when it is a valid run id — also when another run header was bad
     and the request refused (the access log names the run it was for); None otherwise."""
@@ -205,7 +215,13 @@ def parse_run_headers(
 ) -> RunRequest:
     """`tenant` (from the client token, when `[auth] client_tokens` is set) namespaces the run id:
     one tenant can neither see, lower, cancel nor collide with another's run."""
-    check_run_header_names(headers)
+    if not check_run_header_names(headers) and not require_run_id:
+        # No run header at all (most requests of an agent that sets none): its own run, under the
+        # operator's defaults — what the rest of this function makes of no headers, made once.
+        run_id = f"run_{_run_ids.getrandbits(96):024x}"
+        if tenant is not None:
+            run_id = f"{tenant}:{run_id}"
+        return RunRequest(run_id, True, "", _default_caps(config))
     run_id = headers.get("X-Run-Id")
     generated = False
     if run_id is None:
@@ -215,7 +231,7 @@ def parse_run_headers(
                 "(1-128 characters of A-Z a-z 0-9 . _ : -)",
                 param="X-Run-Id",
             )
-        run_id = "run_" + secrets.token_hex(12)
+        run_id = f"run_{_run_ids.getrandbits(96):024x}"
         generated = True
     elif not RUN_ID_RE.match(run_id):
         raise InvalidRequest(
@@ -341,10 +357,23 @@ _TREE_CAPS = tuple(
 )
 
 
-def check_run_header_names(headers: Mapping[str, str]) -> None:
+# `parse_run_headers` of no headers, per `[caps]` configuration (the object: a reload makes another).
+_DEFAULT_CAPS: dict[int, tuple[CapsConfig, RunCaps]] = {}
+
+
+def _default_caps(config: CapsConfig) -> RunCaps:
+    kept = _DEFAULT_CAPS.get(id(config))
+    if kept is None or kept[0] is not config:
+        if len(_DEFAULT_CAPS) >= 64:
+            _DEFAULT_CAPS.clear()
+        kept = _DEFAULT_CAPS[id(config)] = (config, parse_run_headers({"X-Run-Id": "r"}, config).caps)
+    return kept[1]
+
+
+def check_run_header_names(headers: Mapping[str, str]) -> int:
     """Each run header at most once, and no `X-Run-*` runcap does not know: a platform that
     appends its cap after the agent's must not get the agent's, and `X-Run-Max-Dollars` must not
-    leave the run without a cap."""
+    leave the run without a cap. Returns how many run headers there are."""
     seen: dict[str, int] = {}
     for name, _ in headers.items():  # every copy of a repeated header (a multidict's keys() has one)
         lower = name.lower()
@@ -366,6 +395,7 @@ def check_run_header_names(headers: Mapping[str, str]) -> None:
                 f"{known}: sent {n} times; send it once (which copy should win is not runcap's guess)",
                 param=known,
             )
+    return len(seen)
 
 
 # Words for a header's subject that difflib cannot see are the same (X-Run-Max-Dollars: usd).
