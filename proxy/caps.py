@@ -218,10 +218,8 @@ def parse_run_headers(
     if not check_run_header_names(headers) and not require_run_id:
         # No run header at all (most requests of an agent that sets none): its own run, under the
         # operator's defaults — what the rest of this function makes of no headers, made once.
-        run_id = f"run_{_run_ids.getrandbits(96):024x}"
-        if tenant is not None:
-            run_id = f"{tenant}:{run_id}"
-        return RunRequest(run_id, True, "", _default_caps(config))
+        own = f"run_{_run_ids.getrandbits(96):024x}"
+        return RunRequest(own if tenant is None else f"{tenant}:{own}", True, "", _default_caps(config))
     run_id = headers.get("X-Run-Id")
     generated = False
     if run_id is None:
