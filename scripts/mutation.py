@@ -112,7 +112,7 @@ TARGETS: dict[str, Target] = {
             "x_check_tree_live*",
             "x_totals*",
             "x_propagate*",
-            "x__tightest*",
+            "x_in_tree*",
             "x__tree_view*",
             "x__decide_tree_step*",
             "x__tree_rejection*",
