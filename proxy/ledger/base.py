@@ -621,8 +621,8 @@ def decide_step(state: RunState, req: StepRequest, chain: Sequence[RunState | No
     return reservation
 
 
-def _reserve(state: RunState, req: StepRequest, *, in_tree: bool = False) -> Reservation:
-    """The reservation of a call of `state` under `state.caps` (for a run `in_tree`, the tree's
+def _reserve(state: RunState, req: StepRequest, *, tree: bool = False) -> Reservation:
+    """The reservation of a call of `state` under `state.caps` (for a run in a `tree`, the tree's
     view of them: `_tree_view`), or the rejection of the cap it passes."""
     caps = state.caps
     final_reason: str | None = None
@@ -737,7 +737,7 @@ def _reserve(state: RunState, req: StepRequest, *, in_tree: bool = False) -> Res
     if state.status not in TERMINAL_STATUSES:
         state.status = "active"
     tree_left = None
-    if in_tree:  # what the view's caps leave now: the tightest of the run's and its ancestors'
+    if tree:  # what the view's caps leave now: the tightest of the run's and its ancestors'
         held_usd = state.spent_usd_nanos + state.reserved_usd_nanos
         held_tokens = state.tokens_used + state.reserved_tokens
         tree_left = (
@@ -1040,7 +1040,7 @@ def _decide_tree_step(state: RunState, req: StepRequest, chain: Sequence[RunStat
     _resume_if_the_tree_has_room(state, view)
     state.caps = view
     try:
-        res = _reserve(state, req, in_tree=True)
+        res = _reserve(state, req, tree=True)
     except Rejection as rej:
         state.caps = own
         node = binds.get(rej.code or "")

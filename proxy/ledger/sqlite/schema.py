@@ -168,31 +168,19 @@ UPSERT = f"INSERT OR REPLACE INTO runs ({COLUMNS}) VALUES ({', '.join('?' * 32)}
 # writes them: each distinct text is parsed, and each distinct tuple encoded, once.
 _TreeFields = tuple[str, str, tuple[str, ...], int, int | None, int | None, int | None, int | None]
 _NO_TREE_FIELDS: _TreeFields = ("", "", (), 0, None, None, None, None)
-_PARSED: dict[str, _TreeFields] = {}
-_ENCODED: dict[_TreeFields, str] = {}
 TREES_KEPT = 4096
 
 
+@functools.lru_cache(maxsize=TREES_KEPT)
 def _parse_tree(raw: str) -> _TreeFields:
-    fields = _PARSED.get(raw)
-    if fields is None:
-        t = json.loads(raw)
-        fields = (t[0], t[1], tuple(t[2]), t[3], t[4], t[5], t[6], t[7])
-        if len(_PARSED) >= TREES_KEPT:
-            _PARSED.clear()
-        _PARSED[raw] = fields
-    return fields
+    t = json.loads(raw)
+    return (t[0], t[1], tuple(t[2]), t[3], t[4], t[5], t[6], t[7])
 
 
+@functools.lru_cache(maxsize=TREES_KEPT)
 def _encode_tree(fields: _TreeFields) -> str:
-    raw = _ENCODED.get(fields)
-    if raw is None:
-        parent, root, ancestors, *rest = fields
-        raw = json.dumps([parent, root, list(ancestors), *rest])
-        if len(_ENCODED) >= TREES_KEPT:
-            _ENCODED.clear()
-        _ENCODED[fields] = raw
-    return raw
+    parent, root, ancestors, *rest = fields
+    return json.dumps([parent, root, list(ancestors), *rest])
 
 
 def row_to_state(row: tuple[Any, ...]) -> RunState:
