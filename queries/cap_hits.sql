@@ -10,7 +10,10 @@
 --   runs_refused   distinct runs among them; `headers` the cap headers the 402s named.
 -- cap is the run status: budget_exceeded (X-Run-Max-Usd or X-Run-Max-Tokens — see `headers`),
 -- steps_exceeded, tool_calls_exceeded, repeats_exceeded (X-Run-Max-Repeats: the model repeated
--- itself; queries/loops.sql says on what), deadline_exceeded, cancelled.
+-- itself; queries/loops.sql says on what), deadline_exceeded, cancelled; in a run tree,
+-- ancestor_budget_exceeded / ancestor_deadline_exceeded: a sub-run stopped by an ancestor's cap or
+-- deadline (not terminal: a top-up or extension of that ancestor lets it go on — run_tree_cost.sql
+-- shows the tree).
 --
 -- @param since     DateTime64(6, 'UTC')  = now() - INTERVAL 7 DAY   -- window start
 -- @param bucket_s  UInt32                = 3600                      -- bucket width in seconds
@@ -44,7 +47,8 @@ FROM
         LIMIT 1 BY run_id
     )
     WHERE status IN ('budget_exceeded', 'steps_exceeded', 'tool_calls_exceeded', 'repeats_exceeded',
-                     'deadline_exceeded', 'cancelled')
+                     'deadline_exceeded', 'cancelled', 'ancestor_budget_exceeded',
+                     'ancestor_deadline_exceeded')
         AND ({task:String} = '' OR task = {task:String})
 
     UNION ALL

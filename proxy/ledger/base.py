@@ -123,10 +123,28 @@ class RunState:
     sub_reserved_tokens: int = 0
     sub_steps: int = 0
     sub_tool_calls: int = 0
+    # The earliest deadline of the run's ancestors, as the call that loaded them saw it (None: none,
+    # or not loaded) — never stored: a child stores only its own deadline, so an operator's
+    # extension of an ancestor reaches its descendants at their next call (`check_tree_live`).
+    tree_deadline: float | None = None
 
     @property
     def root(self) -> str:
         return self.root_run_id or self.run_id
+
+    @property
+    def deadline(self) -> float | None:
+        """When the run's calls are cut: the earlier of its own deadline and its ancestors'."""
+        own, tree = self.caps.deadline, self.tree_deadline
+        return tree if own is None else own if tree is None else min(own, tree)
+
+    @property
+    def deadline_status(self) -> str:
+        """The status a call cut by `deadline` leaves the run in: an ancestor's deadline (earlier
+        than its own) leaves it `ancestor_deadline_exceeded`, which an extension of that ancestor
+        undoes; its own, `deadline_exceeded`."""
+        own, tree = self.caps.deadline, self.tree_deadline
+        return ANCESTOR_DEADLINE if tree is not None and (own is None or tree < own) else "deadline_exceeded"
 
     @property
     def tree_usd_nanos(self) -> int:
@@ -160,7 +178,7 @@ class RunState:
             else max(0, c.max_tokens - self.tree_tokens),
             "steps": None if c.max_steps is None else max(0, c.max_steps - self.steps),
             "tool_calls": None if c.max_tool_calls is None else max(0, c.max_tool_calls - self.tool_calls),
-            "ms": None if c.deadline is None else max(0.0, (c.deadline - now) * 1000.0),
+            "ms": None if (deadline := self.deadline) is None else max(0.0, (deadline - now) * 1000.0),
         }
 
 
@@ -774,6 +792,9 @@ def _reserve(state: RunState, req: StepRequest, *, tree: bool = False) -> Reserv
 # top-up of that ancestor (which is `budget_exceeded`) lets it continue.
 
 ANCESTOR_STOPPED = "ancestor_budget_exceeded"
+# A run refused because an ancestor passed its deadline: not terminal either (an operator may
+# extend the ancestor's deadline).
+ANCESTOR_DEADLINE = "ancestor_deadline_exceeded"
 
 
 # Where a run's subtree totals (`sub_*`, in `Totals`' order) and its tree caps are in
@@ -905,16 +926,11 @@ def open_run(
     child.parent_run_id = named.run_id
     child.root_run_id = named.root
     child.ancestors = (named.run_id, *named.ancestors)
-    if named.caps.deadline is not None:
-        # The earlier of its own and its parent's (every ancestor's is checked on each call too).
-        child.caps = replace(child.caps, deadline=_min_opt(child.caps.deadline, named.caps.deadline))
+    # Its own deadline only: its ancestors' bind it at each call (`check_tree_live`), as they
+    # stand then — an operator's extension of an ancestor reaches it.
     named.children += 1
     named.updated_at = max(named.updated_at, now)
     return child
-
-
-def _min_opt(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
 
 
 def in_tree(state: RunState, chain: Sequence[RunState | None]) -> bool:
@@ -927,7 +943,11 @@ def in_tree(state: RunState, chain: Sequence[RunState | None]) -> bool:
 
 def check_tree_live(state: RunState, chain: Sequence[RunState | None], now: float) -> None:
     """Refuse a call of a run whose ancestor was cancelled or passed its deadline: a cancel cuts
-    the whole subtree, and a child's deadline is the earliest of its chain's."""
+    the whole subtree, and a child's deadline is the earliest of its chain's (`state.tree_deadline`
+    is set to its ancestors' earliest, for the call's timeouts and X-Run-Remaining-Ms). A run cut
+    by an ancestor's deadline is `ancestor_deadline_exceeded`, not terminal: an operator's
+    extension of that ancestor lets it continue."""
+    earliest = None
     for node in chain:
         if node is None:
             continue
@@ -938,12 +958,18 @@ def check_tree_live(state: RunState, chain: Sequence[RunState | None], now: floa
                 "the run's whole subtree); start a new run to continue"
             )
         deadline = node.caps.deadline
-        if deadline is not None and now >= deadline:
-            _set_status(state, "deadline_exceeded")
+        if deadline is None:
+            continue
+        if now >= deadline:
+            _set_status(state, ANCESTOR_DEADLINE)
             raise DeadlineExceeded(
                 f"run {state.run_id}: its ancestor {node.run_id} passed its deadline "
-                f"{now - deadline:.3f}s ago, and a sub-run ends with it; end the run"
+                f"{now - deadline:.3f}s ago, and a sub-run ends with it; end the run, or have an "
+                f"operator extend run {node.run_id}'s deadline (runcap caps {node.run_id} --deadline ...)"
             )
+        if earliest is None or deadline < earliest:
+            earliest = deadline
+    state.tree_deadline = earliest
 
 
 Totals = tuple[int, int, int, int, int, int]
@@ -1222,6 +1248,7 @@ def settle_unledgered(reservation: Reservation, settlement: Settlement, now: flo
 
 
 def apply_settlement(state: RunState, reservation: Reservation, s: Settlement, now: float) -> None:
+    state.tree_deadline = reservation.state.tree_deadline  # as the reservation's call saw them
     state.reserved_usd_nanos = max(0, state.reserved_usd_nanos - reservation.usd_nanos)
     state.reserved_tokens = max(0, state.reserved_tokens - reservation.tokens)
     state.spent_usd_nanos += s.cost_usd_nanos

@@ -134,7 +134,8 @@ class StreamableHTTPRelay:
                 except TimeoutError:
                     self.cut(server, target, headers, rid, method, upstream, "the run's deadline passed")
                     if not run.generated:
-                        await self.route.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                        status = "deadline_exceeded" if state is None else state.deadline_status
+                        await self.route.ledger.set_status(run.run_id, status, time.time())
                     raise DeadlineExceeded(
                         f"run {run.run_id} reached its deadline during {method} on MCP server "
                         f"{server.name!r}; the request was cancelled. End the run."

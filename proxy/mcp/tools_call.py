@@ -360,7 +360,7 @@ class MCPToolCalls:
                 await self.calls.unknown(call, "deadline" if by_deadline else "tool timeout", label)
                 if by_deadline:
                     call.cut_reason = "deadline"
-                    await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                    await self.ledger.set_status(run.run_id, state.deadline_status, time.time())
                     raise DeadlineExceeded(
                         f"run {run.run_id} reached its deadline during the call to tool {name!r} of MCP "
                         f"server {server.name!r}; the call was cancelled (it may or may not have taken "

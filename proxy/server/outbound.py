@@ -73,7 +73,7 @@ def run_deadline(run: RunRequest, state: RunState | None, started: float) -> flo
     `started` — a generated run (no `X-Run-Id`) is its own run, so its operator timeout
     (`[caps] default_timeout_s` / ceiling, `[tasks."T"] timeout_s`) starts with it."""
     if state is not None:
-        return state.caps.deadline
+        return state.deadline  # its own or, in a run tree, an ancestor's when earlier
     return run.caps.resolve_deadline(started).deadline
 
 

@@ -36,6 +36,8 @@ RUN_STATUSES = (
     "tool_calls_exceeded",
     "cancelled",
     "repeats_exceeded",
+    "ancestor_budget_exceeded",  # run trees: not terminal (a top-up of the ancestor lets it go on)
+    "ancestor_deadline_exceeded",  # run trees: not terminal (an extension of the ancestor's deadline)
 )
 
 

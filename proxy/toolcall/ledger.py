@@ -44,7 +44,7 @@ class ToolCallLedger:
             start = await self.metrics.timed_ledger_op("tool_begin", self.ledger.begin_tool_call(req))
             if start.action != "wait":
                 return start
-            deadline = start.state.caps.deadline
+            deadline = start.state.deadline
             left = deadline_clock(deadline).seconds
             left = None if left is None else left + 0.001
             pause = delay if left is None else min(delay, left)

@@ -255,7 +255,7 @@ class ToolGateway(ToolRoute):
                 await self._unknown(call, "deadline" if by_deadline else "tool timeout")
                 if by_deadline:
                     call.cut_reason = "deadline"
-                    await self.ledger.set_status(run.run_id, "deadline_exceeded", time.time())
+                    await self.ledger.set_status(run.run_id, state.deadline_status, time.time())
                     raise DeadlineExceeded(
                         f"run {run.run_id} reached its deadline during the call to tool {tool.name!r}; "
                         "the call was aborted (it may or may not have taken effect). End the run."

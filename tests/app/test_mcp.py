@@ -123,6 +123,22 @@ async def test_two_replicas_sharing_redis(servers, runcap_factory, redis_server,
 # -- deadline, cancel, timeout ------------------------------------------------------------------
 
 
+async def test_a_childs_mcp_call_is_cut_at_its_parents_deadline(servers, runcap_factory):  # type: ignore[no-untyped-def]
+    """A sub-run's `tools/call` is bounded by its parent's deadline, earlier than its own, and
+    leaves the child `ancestor_deadline_exceeded` (not terminal)."""
+    server = servers("stateless-json")
+    rc = await runcap_factory(mcp_config(server))
+    parent, child, tag = rid("p"), rid("c"), rid("t")
+    async with session(f"{rc.url}/mcp/crm", parent, headers={"X-Run-Timeout": "2"}) as s:
+        await s.call_tool("lookup", {"order_id": tag})
+    kid = {"X-Run-Parent": parent, "X-Run-Timeout": "3600"}
+    async with session(f"{rc.url}/mcp/crm", child, headers=kid) as s:
+        with pytest.raises(MCPError) as err:
+            await s.call_tool("slow", {"seconds": 30, "tag": tag})
+        assert err.value.code == -32041 and err.value.data["type"] == "run_deadline_exceeded"
+    assert (await rc.run(child))["status"] == "ancestor_deadline_exceeded"
+
+
 @pytest.mark.parametrize("kind", ["stateful-sse", "stateless-json"])
 async def test_deadline_cuts_the_call_and_cancels_it_on_the_server(kind, servers, runcap_factory):  # type: ignore[no-untyped-def]
     server = servers(kind)
@@ -142,11 +158,14 @@ async def test_deadline_cuts_the_call_and_cancels_it_on_the_server(kind, servers
     [execution] = executions(server, "slow", tag=tag)
 
     def cancelled() -> list[dict[str, Any]]:
+        # The notice names the request by its id, which is per session: the run's header (which
+        # runcap must send on it) tells this run's from another test's on the shared server.
         notices = [m for m in server.stats()["messages"] if m["method"] == "notifications/cancelled"]
-        return [m for m in notices if str(m["params"]["requestId"]) == execution["request_id"]]
+        ours = execution["request_id"]
+        notices = [m for m in notices if m["headers"].get("x-run-id") == run]
+        return [m for m in notices if str(m["params"]["requestId"]) == ours]
 
-    notice = await wait_for(cancelled)
-    assert notice[0]["headers"].get("x-run-id") == run
+    await wait_for(cancelled)
     if kind.startswith("stateful"):
         # The server cancelled the tool's handler on that notification.
         await wait_for(lambda: [c for c in server.stats()["cancelled"] if c["tag"] == tag])

@@ -254,3 +254,38 @@ async def test_a_childs_remaining_headers_show_its_ancestors_tighter_caps(  # ty
     child = await rc.run(f"{p}.tight")
     assert Decimal(tight["x-run-remaining-usd"]) == Decimal("0.01") - Decimal(child["cost_usd"])
     assert int(tight["x-run-remaining-tokens"]) == (await left())[1]
+
+
+async def test_a_parents_deadline_cuts_its_childs_call_and_an_extension_lets_it_go_on(  # type: ignore[no-untyped-def]
+    runcap_factory, upstream, ledger_config
+):
+    """A child's call is bound by its parent's deadline as it stands when the call starts: its
+    `X-Run-Remaining-Ms` counts down to it, a call in flight is cut at it (504, the child then
+    `ancestor_deadline_exceeded`, not terminal), and an operator's extension of the parent's
+    deadline (`POST /runs/{parent}/caps {"extend_s": ...}`) lets the child go on — a deadline
+    copied into the child when it was created would still stop it."""
+    upstream.scripts[HANG] = [{"text": "too late", "delay_s": HOLD_S}]
+    rc = await runcap_factory(ledger_config)
+    p = f"plan-{secrets.token_hex(3)}"
+    await agent(rc.openai_url, {"X-Run-Id": p, "X-Run-Timeout": "3"}).chat.completions.create(
+        model="gpt-4o-mini", messages=USER
+    )
+    kid = agent(rc.openai_url, {"X-Run-Id": f"{p}.c", "X-Run-Parent": p, "X-Run-Timeout": "3600"})
+    raw = await kid.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=USER)
+    assert 0 < int(raw.headers["x-run-remaining-ms"]) <= 3000  # the parent's, not its own hour
+    with pytest.raises(openai.APIStatusError) as e:
+        hang = {"X-Mock-Script": HANG}
+        await kid.chat.completions.create(model="gpt-4o-mini", messages=USER, extra_headers=hang)
+    assert e.value.status_code == 504 and error_of(e.value)["type"] == "run_deadline_exceeded"
+    child = await rc.run(f"{p}.c")
+    assert child["status"] == "ancestor_deadline_exceeded"
+    with pytest.raises(openai.APIStatusError) as e:  # later calls too, naming the parent
+        await kid.chat.completions.create(model="gpt-4o-mini", messages=USER)
+    assert e.value.status_code == 504 and f"ancestor {p}" in error_of(e.value)["message"]
+    async with aiohttp.ClientSession() as s, s.post(
+        f"{rc.url}/runs/{p}/caps", json={"extend_s": 600}, headers=rc.admin
+    ) as r:
+        assert r.status == 200, await r.text()
+    raw = await kid.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=USER)
+    assert 3000 < int(raw.headers["x-run-remaining-ms"]) <= 603_000
+    assert (await rc.run(f"{p}.c"))["status"] == "completed"  # answered: the run went on

@@ -310,6 +310,24 @@ async def test_cancel_reaches_another_worker_on_the_same_sqlite_file(
 # -- Redis: replicas -----------------------------------------------------------------------------
 
 
+async def test_a_childs_tool_call_is_cut_at_its_parents_deadline(runcap_factory, tool):  # type: ignore[no-untyped-def]
+    """A sub-run's tool call is bounded by its parent's deadline, earlier than its own: the tool
+    is told that deadline, the call is cut at it, and the child is left
+    `ancestor_deadline_exceeded` (not terminal: an extension of the parent lets it go on)."""
+    rc = await runcap_factory(tools_config(tool))
+    parent, child = rid("p"), rid("c")
+    s, _, body = await call(f"{rc.url}/tools/refund", parent, {"order_id": parent, "amount": 1},
+                            headers={"X-Run-Timeout": "1"})  # fmt: skip
+    assert s == 200, body
+    s, _, body = await call(
+        f"{rc.url}/tools/refund", child, {"order_id": child, "amount": 1, "sleep_s": 30},
+        headers={"X-Run-Parent": parent, "X-Run-Timeout": "3600"},
+    )  # fmt: skip
+    assert s == 504 and body["error"]["type"] == "run_deadline_exceeded", body
+    assert 0 < int(tool.hits[-1].headers["x-run-remaining-ms"]) <= 1000  # the parent's, not an hour
+    assert (await rc.run(child))["status"] == "ancestor_deadline_exceeded"
+
+
 async def test_two_replicas_sharing_redis(runcap_factory, tool, redis_server, tmp_path):  # type: ignore[no-untyped-def]
     cfg = tools_config(tool, redis_url=redis_server.url)
     a = await runcap_factory(cfg, data_dir=tmp_path / "a")

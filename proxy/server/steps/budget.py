@@ -325,7 +325,7 @@ class BudgetStep(FlowStep):
             flow.cost_nanos = max(flow.cost_nanos, res.usd_nanos)
         flow.price_known = cost.known
         flow.usage = usage
-        status = {"deadline": "deadline_exceeded", "cancel": "cancelled"}.get(flow.cut_reason or "")
+        status = {"deadline": res.state.deadline_status, "cancel": "cancelled"}.get(flow.cut_reason or "")
         no_answer, upstream_failed = answer_missing(flow)
         flow.no_answer = no_answer
         fingerprints: tuple[str, ...] = ()

@@ -106,7 +106,7 @@ def run_snapshot(state: RunState) -> RunSnapshot:
         max_tokens=caps.max_tokens,
         max_steps=caps.max_steps,
         max_tool_calls=caps.max_tool_calls,
-        deadline=None if caps.deadline is None else utc(caps.deadline),
+        deadline=None if (deadline := state.deadline) is None else utc(deadline),  # or an ancestor's
         parent_run_id=state.parent_run_id,
         root_run_id=state.root,
     )

@@ -327,13 +327,17 @@ async def test_cancel_and_deadline_reach_down_the_tree(make_ledger):  # type: ig
     await call(led, "p", RunCaps(timeout_s=60))
     await call(led, "c", parent="p")
     await call(led, "g", parent="c")
-    child = await run(led, "c")
-    assert child.caps.deadline == (await run(led, "p")).caps.deadline  # the earlier of the two
+    # A child stores its own deadline (none); the parent's binds each of its calls.
+    assert (await run(led, "c")).caps.deadline is None
+    res = await led.begin_step(step("g", RunCaps()))
+    assert res.state.deadline == (await run(led, "p")).caps.deadline
+    await led.settle(res, Settlement(), time.time())
     # An operator brings the parent's deadline forward: its descendants end with it.
     await led.set_caps("p", {"deadline": time.time() + 5}, time.time())
     with pytest.raises(DeadlineExceeded) as d:
         await call(led, "g", now=time.time() + 10)
     assert "ancestor p" in d.value.message
+    assert (await run(led, "g")).status == "ancestor_deadline_exceeded"
     await led.cancel("c", time.time())
     for rid in ("g",):
         with pytest.raises(RunCancelled) as e:
@@ -345,6 +349,55 @@ async def test_cancel_and_deadline_reach_down_the_tree(make_ledger):  # type: ig
             await led.begin_tool_call(tool(rid, "k"))
     assert (await run(led, "g")).status == "cancelled"
     await call(led, "p")  # the parent of the cancelled run goes on
+
+
+async def test_an_extension_of_an_ancestors_deadline_reaches_its_descendants(make_ledger):  # type: ignore[no-untyped-def]
+    """A descendant is bound by its ancestors' deadlines as they stand at each of its calls: the
+    earliest binds its calls' timeouts and X-Run-Remaining-Ms, a passed one refuses every kind of
+    call with a status that is not terminal, and an operator's extension of that ancestor lets
+    it go on (a copy of the parent's deadline taken when the child was created would not)."""
+    led = make_ledger()
+    t0 = time.time()
+    await call(led, "p", RunCaps(deadline=t0 + 30))
+    await call(led, "c", RunCaps(deadline=t0 + 3600), parent="p")
+    await call(led, "g", parent="c")
+    res = await led.begin_step(step("g", RunCaps()))
+    assert res.state.caps.deadline is None and res.state.deadline == t0 + 30
+    assert res.state.remaining(t0)["ms"] == pytest.approx(30_000)
+    assert res.state.deadline_status == "ancestor_deadline_exceeded"
+    settled = await led.settle(res, Settlement(), time.time())
+    assert settled.deadline == t0 + 30  # the settled state too (its run headers, its span)
+    touched = await led.touch_run("g", "t", RunCaps(), time.time())
+    assert touched.deadline == t0 + 30
+    tool_start = await led.begin_tool_call(tool("g", "k0"))
+    assert tool_start.state.deadline == t0 + 30
+    # Past the parent's deadline: every kind of call of each descendant is refused.
+    late = t0 + 60
+    for rid in ("c", "g"):
+        with pytest.raises(DeadlineExceeded) as d:
+            await led.begin_step(step(rid, RunCaps(), now=late))
+        assert "ancestor p passed its deadline" in d.value.message
+        with pytest.raises(DeadlineExceeded):
+            await led.touch_run(rid, "t", RunCaps(), late)
+        with pytest.raises(DeadlineExceeded):
+            await led.begin_tool_call(tool(rid, "k1", now=late))
+        assert (await run(led, rid)).status == "ancestor_deadline_exceeded"
+    # The operator extends the parent: the descendants go on, bound by the new deadline.
+    await led.set_caps("p", {"deadline": t0 + 600}, t0 + 59)
+    for rid, bound in (("c", t0 + 600), ("g", t0 + 600)):
+        res = await led.begin_step(step(rid, RunCaps(), now=late))
+        assert res.state.deadline == bound and res.state.status == "active"
+        await led.settle(res, Settlement(), late)
+        assert (await led.begin_tool_call(tool(rid, f"k2{rid}", now=late))).action == "execute"
+    # The child's own deadline, earlier than the extended parent's, binds the grandchild then.
+    await led.set_caps("c", {"deadline": t0 + 120}, late)
+    res = await led.begin_step(step("g", RunCaps(), now=late))
+    assert res.state.deadline == t0 + 120
+    await led.settle(res, Settlement(), late)
+    # Cut by its own deadline, a run's status is terminal as before.
+    own = await led.begin_step(step("c", RunCaps(), now=late))
+    assert own.state.deadline == t0 + 120 and own.state.deadline_status == "deadline_exceeded"
+    await led.settle(own, Settlement(), late)
 
 
 async def test_recovery_of_a_dead_owner_settles_the_whole_chain(make_ledger):  # type: ignore[no-untyped-def]
