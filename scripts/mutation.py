@@ -260,6 +260,9 @@ EQUIVALENT: dict[str, str] = {
         "the new run made without its task: decide_step's merge_caps sets the request's task on a "
         "run that has none"
     ),
+    "proxy.ledger.base.x_check_tree_live__mutmut_25": (
+        "deadline <= earliest: on a tie the earliest is the same value either way"
+    ),
     "proxy.ledger.base.x__reserve__mutmut_90": "capped = None: falsy like False, only read as a truth value",
     "proxy.ledger.base.x__reserve__mutmut_135": (
         "-2 for -1 when the input alone is not affordable: either is below every useful minimum (>= 0), "

@@ -400,6 +400,30 @@ async def test_an_extension_of_an_ancestors_deadline_reaches_its_descendants(mak
     await led.settle(own, Settlement(), late)
 
 
+def test_an_ancestors_deadline_binds_from_its_instant_past_an_expired_ancestor() -> None:
+    """`check_tree_live` on a chain directly: an ancestor that expired (None) does not hide the
+    ones above it, a deadline binds at its very instant (as a run's own does), and the refusal
+    says how long ago it passed."""
+    from proxy.ledger.base import check_tree_live
+
+    t = 1_000.0
+    child = RunState(run_id="c", caps=RunCaps(deadline=t + 100))
+    mid = RunState(run_id="m", caps=RunCaps(deadline=t + 50))
+    root = RunState(run_id="r", caps=RunCaps(deadline=t + 10))
+    check_tree_live(child, [mid, None, root], t)
+    assert child.tree_deadline == t + 10 and child.deadline == t + 10  # past the expired one
+    with pytest.raises(DeadlineExceeded) as d:
+        check_tree_live(child, [mid, None, root], t + 10)  # the deadline's instant
+    assert "its ancestor r passed its deadline 0.000s ago" in d.value.message
+    assert child.status == "ancestor_deadline_exceeded"
+    with pytest.raises(DeadlineExceeded) as d:
+        check_tree_live(child, [None, root], t + 12.5)
+    assert "passed its deadline 2.500s ago" in d.value.message
+    root.cancelled = True
+    with pytest.raises(RunCancelled):
+        check_tree_live(child, [None, root], t)
+
+
 async def test_recovery_of_a_dead_owner_settles_the_whole_chain(make_ledger):  # type: ignore[no-untyped-def]
     a, b = make_ledger(), make_ledger()
     await call(b, "p", RunCaps(max_usd_nanos=USD))
