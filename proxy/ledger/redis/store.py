@@ -177,16 +177,22 @@ class Durability:
         raise ReplicasBehind("the cluster's slot owner kept moving")  # pragma: no cover
 
     async def _refresh(self) -> None:
+        """Reload the slot map (redis-py runs one reload for the calls that ask at once) and close
+        the clients of nodes it no longer names; the clients of live nodes stay, other calls'
+        pipelines may be on them."""
         assert isinstance(self.r, RedisCluster)
-        for client in self._nodes.values():
-            await client.aclose()
-        self._nodes.clear()
         await self.r.nodes_manager.initialize()
+        live = {f"{node.host}:{node.port}" for node in self.r.get_nodes()}
+        # Taken out of the dict before the first await: other calls add clients while these close
+        # (iterating it across the awaits raised "dictionary changed size during iteration").
+        gone = [self._nodes.pop(name) for name in list(self._nodes) if name not in live]
+        for client in gone:
+            await client.aclose()
 
     async def close(self) -> None:
-        for client in self._nodes.values():
+        clients, self._nodes = list(self._nodes.values()), {}
+        for client in clients:
             await client.aclose()
-        self._nodes.clear()
 
 
 class RedisStore:

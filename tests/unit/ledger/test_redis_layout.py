@@ -286,3 +286,39 @@ def test_an_error_inside_redis_py_is_an_unavailable_ledger_and_one_of_runcaps_is
     with pytest.raises(AttributeError) as ours:
         None.missing  # type: ignore[attr-defined]  # noqa: B018
     assert led.failure_code(ours.value) is None
+
+
+async def test_a_slot_map_reload_keeps_the_clients_other_calls_are_using(redis_cluster) -> None:  # type: ignore[no-untyped-def]
+    """`redis_wait_replicas` on a cluster: a reload of the slot map (after MOVED, READONLY or a
+    dead node) runs while other calls open clients of their slots' nodes and send on them. It
+    closes only the clients of nodes the new map no longer names. Before, it closed every client
+    while iterating the dict the other calls were adding to — "dictionary changed size during
+    iteration" in a failover under load (a CI failure) — and cut the pipelines of healthy nodes."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from proxy.ledger.redis.store import Durability
+
+    r = RedisCluster.from_url(redis_cluster.url)
+    await r.initialize()
+    d = Durability(r, replicas=1, timeout_ms=2000)
+    # One key on each master (they hash to different slots; three masters own them all).
+    keys: dict[str, str] = {}
+    for i in range(200):
+        node = r.get_node_from_key(f"k{i}")
+        keys.setdefault(f"{node.host}:{node.port}", f"k{i}")
+    assert len(keys) == 3
+    first, *others = keys.values()
+    try:
+        await d.write(first, "SET", first, "1")  # a client with an open connection: its close awaits
+        kept = d._nodes[next(iter(keys))]
+        d._client_for(first, ("127.0.0.1", 1))  # a client of a node the map does not name (a dead one)
+        results = await asyncio.gather(
+            d._refresh(), *(d.write(k, "SET", k, str(n)) for n in range(5) for k in keys.values())
+        )
+        assert results[1:] == [True] * 15
+        assert set(d._nodes) == set(keys)  # a client per live node the calls used, the dead one gone
+        assert d._nodes[next(iter(keys))] is kept  # ... the one in use before the reload kept
+        assert await d.write(others[0], "SET", others[0], "x")
+    finally:
+        await d.close()
+        await r.aclose()
