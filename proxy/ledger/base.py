@@ -197,17 +197,6 @@ def _positional(name: str, params: str, args: Callable[[str], str]) -> Callable[
 # A shallow copy of a state (a reservation's snapshot, a tool call's answer).
 copy_state: Callable[[RunState], RunState] = _positional("copy_state", "s", lambda n: f"s.{n}")
 
-_FACTORIES = {"caps": "RunCaps()", "repeats": "Repeats()"}
-
-
-def partial_state(given: Sequence[str]) -> Callable[..., RunState]:
-    """A constructor taking the fields `given`, in that order, the others at their defaults: the
-    part of a run a backend reads when it needs only that part (never saved whole)."""
-    defaults = {f.name: repr(f.default) for f in fields(RunState) if f.name not in _FACTORIES}
-    return _positional(
-        "partial_state", ", ".join(given), lambda n: n if n in given else _FACTORIES.get(n) or defaults[n]
-    )
-
 
 @dataclass(frozen=True, slots=True)
 class StepRequest:

@@ -3,8 +3,9 @@
 This module is the `Ledger`: each operation reads, decides with base.py's rules and writes,
 inside one `BEGIN IMMEDIATE` transaction, synchronously on the event loop's thread. The parts:
 writer.py (transactions, the request path's group commit, the WAL checkpointer thread),
-schema.py (tables, upgrades, rows ↔ data classes), liveness.py (owner files) and recovery.py
-(sweeps of dead owners' rows, retention).
+schema.py (tables, upgrades, rows ↔ data classes), runrows.py (the runs this process wrote or
+read, kept between transactions while the file has not changed behind them), liveness.py (owner
+files) and recovery.py (sweeps of dead owners' rows, retention).
 
 WAL mode with `synchronous=NORMAL`: COMMIT returns once the transaction is written to the WAL
 file (in the OS's page cache, not yet fsync'd — that happens at checkpoints), so a committed
@@ -39,22 +40,16 @@ from proxy.errors import Rejection
 from proxy.ledger import base
 from proxy.ledger.sqlite import approvals, recovery
 from proxy.ledger.sqlite.liveness import OwnerFiles
+from proxy.ledger.sqlite.runrows import RunRows
 from proxy.ledger.sqlite.schema import (
     SCHEMA,
     TOOL_COLUMNS,
-    add_change,
     add_child,
     child_ids,
-    load_ancestors,
-    load_chain,
     load_record,
     load_run,
     row_to_record,
     save_record,
-    save_run,
-    save_run_changed,
-    save_runs,
-    save_statuses,
     upgrade,
 )
 from proxy.ledger.sqlite.writer import Checkpointer, GroupCommit, transaction
@@ -65,8 +60,6 @@ log = logging.getLogger("runcap.ledger")
 # Below this many free bytes on the ledger's disk runcap is not ready: SQLite needs room to grow
 # its WAL, and a write that fits today's WAL by luck says nothing about the next one.
 MIN_FREE_BYTES = 1 << 20
-# Sub-runs whose ancestors a ledger remembers (`_chain_of`); forgotten all at once beyond.
-ANCESTORS_KEPT = 16384
 
 
 class SQLiteLedger(base.Ledger):
@@ -95,9 +88,10 @@ class SQLiteLedger(base.Ledger):
         self._db.executescript(approvals.SCHEMA)
         with transaction(self._db) as db:  # under the write lock: see schema.py
             upgrade(db)
-        self._writes = GroupCommit(self._db)
-        # Sub-runs' ancestors as last read (`_chain_of`): a run's are fixed when it is created.
-        self._ancestors_of: dict[str, tuple[str, ...]] = {}
+        # The runs rows this process wrote or read, kept between its transactions (runrows.py):
+        # every transaction that reads or writes runs through `self._runs` passes it as hooks.
+        self._runs = RunRows(self._db)
+        self._writes = GroupCommit(self._db, self._runs)
         self.owner = secrets.token_hex(8)
         self._owners = OwnerFiles(self.path.parent / "ledger-owners", self.owner)
         self._owner_file = self._owners.own_file
@@ -128,46 +122,26 @@ class SQLiteLedger(base.Ledger):
 
     # -- run trees: a run and its ancestors, read and written in the same transaction ----------
     #
-    # A call of a sub-run reads its run, then what it checks of its ancestors (`load_ancestors`:
-    # one narrow statement), and writes its own row and, for its ancestors, only the change of its
-    # totals (`save_run_changed`: one narrow UPDATE) and a refusal's statuses — neither decoding
-    # nor re-encoding their rows. A new child's first call reads and writes its parent's chain
-    # whole (the parent counts it).
+    # A call of a sub-run reads its run and its ancestors (kept rows, most often: runrows.py), and
+    # writes its own row and, for its ancestors, only the change of its totals (`add_change`: one
+    # narrow UPDATE) and a refusal's statuses. A new child's first call writes its parent whole
+    # (the parent counts it).
 
     def _open(
         self, run_id: str, task: str, caps: RunCaps, parent: str, now: float
     ) -> tuple[base.RunState, list[base.RunState | None], bool]:
         """The run (new or stored, placed in its tree: `base.open_run`), its ancestors, and
         whether the chain is written in full (a new child: its parent counts it)."""
-        db = self._db
-        state, chain = self._chain_of(run_id)
-        if not parent and (state is None or not state.ancestors):
-            return state or base.new_run(run_id, task, caps, now), [], False  # a root: one row
+        runs = self._runs
+        state = runs.load(run_id)
         if parent and (state is None or state.parent_run_id != parent):
-            named = load_run(db, parent)  # whole: it counts its new child
-            chain = [named, *(load_ancestors(db, named.ancestors) if named and named.ancestors else ())]
+            named = runs.load(parent)
+            chain = [named, *(runs.load_many(named.ancestors) if named and named.ancestors else ())]
             child = base.open_run(state, chain, run_id, task, caps, parent, now)
             return child, chain, True
-        assert state is not None
-        return state, chain, False
-
-    def _chain_of(self, run_id: str) -> tuple[base.RunState | None, list[base.RunState | None]]:
-        """The run and what its calls check of its ancestors (none for a root): in one statement
-        once this process has seen the run's ancestors (`load_chain`, which checks them against
-        the stored run), in two before."""
-        known = self._ancestors_of.get(run_id)
-        if known is not None:
-            state, chain = load_chain(self._db, run_id, known)
-        else:
-            state = load_run(self._db, run_id)
-            chain = load_ancestors(self._db, state.ancestors) if state is not None and state.ancestors else []
-        if state is None or not state.ancestors:
-            self._ancestors_of.pop(run_id, None)
-        elif state.ancestors is not known:
-            if len(self._ancestors_of) >= ANCESTORS_KEPT:
-                self._ancestors_of.clear()
-            self._ancestors_of[run_id] = state.ancestors
-        return state, chain
+        if state is None:
+            return base.new_run(run_id, task, caps, now), [], False  # a root: one row
+        return state, runs.load_many(state.ancestors) if state.ancestors else [], False
 
     def _save_chain(
         self,
@@ -182,18 +156,19 @@ class SQLiteLedger(base.Ledger):
         """The run, and what the call changed in its ancestors: the change of the run's totals
         since `before` added to theirs (what `base.propagate` did to `chain`, which is not
         written) and, when the call was `refused`, their statuses (the ancestor whose cap binds).
-        `whole`: the run is a new child, and its parent (`chain[0]`, read whole) is written whole
-        (it counts its child) with the child indexed under it."""
-        db, narrow = self._db, chain
+        `whole`: the run is a new child, and its parent (`chain[0]`) is written whole (it counts
+        its child) with the child indexed under it."""
+        runs, narrow = self._runs, chain
         if whole and chain:
-            save_runs(db, [state, chain[0]])
-            add_child(db, state)
-            add_change(db, state.ancestors[1:], base.change(before, state), now)
+            assert chain[0] is not None  # (open_run refuses a parent that is not stored)
+            runs.save_many([state, chain[0]])
+            add_child(self._db, state)
+            runs.add_change(state.ancestors[1:], base.change(before, state), now)
             narrow = chain[1:]
         else:
-            save_run_changed(db, state, before, now)
+            runs.save_changed(state, before, now)
         if refused:
-            save_statuses(db, narrow)
+            runs.set_statuses(narrow)
 
     def _begin_step(self, req: base.StepRequest) -> base.Reservation:
         state, chain, whole = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
@@ -222,7 +197,7 @@ class SQLiteLedger(base.Ledger):
             == 0
         )
         # A settlement changes its ancestors only by its totals: they are not read.
-        state = load_run(db, reservation.run_id)
+        state = self._runs.load(reservation.run_id)
         if state is None:
             raise KeyError(reservation.run_id)
         before = base.totals(state)
@@ -278,22 +253,22 @@ class SQLiteLedger(base.Ledger):
     async def set_caps(
         self, run_id: str, change: base.CapsChange, now: float
     ) -> tuple[RunCaps, base.RunState] | None:
-        with transaction(self._db):
-            state = load_run(self._db, run_id)
+        with transaction(self._db, self._runs):
+            state = self._runs.load(run_id)
             if state is None:
                 return None
             before = state.caps
             base.apply_caps_change(state, change, now)
-            save_run(self._db, state)
+            self._runs.save(state)
             return before, state
 
     def _update(
         self, run_id: str, now: float, *, cancel: bool = False, status: str | None = None
     ) -> base.RunState:
-        with transaction(self._db):
-            state = load_run(self._db, run_id) or base.new_run(run_id, "", RunCaps(), now)
+        with transaction(self._db, self._runs):
+            state = self._runs.load(run_id) or base.new_run(run_id, "", RunCaps(), now)
             base.apply_status(state, now, cancel=cancel, status=status)
-            save_run(self._db, state)
+            self._runs.save(state)
             return state
 
     # -- recovery (recovery.py) ------------------------------------------------------------------
@@ -317,7 +292,7 @@ class SQLiteLedger(base.Ledger):
             return recovery.purge(db, cutoff) + approvals.purge(db, cutoff)
 
     async def ping(self) -> None:
-        with transaction(self._db) as db:
+        with transaction(self._db, self._runs) as db:  # (no runs written: the rows kept stay)
             db.execute("INSERT OR REPLACE INTO probe (owner, at) VALUES (?, ?)", (self.owner, time.time()))
         st = os.statvfs(self.path.parent)
         free = st.f_bavail * st.f_frsize
@@ -344,7 +319,7 @@ class SQLiteLedger(base.Ledger):
         return super().failure_code(exc)
 
     async def begin_tool_call(self, req: base.ToolCallRequest) -> base.ToolCallStart:
-        with transaction(self._db) as db:
+        with transaction(self._db, self._runs) as db:
             state, chain, whole = self._open(req.run_id, req.task, req.caps, req.parent_run_id, req.now)
             before = base.totals(state)
             record = load_record(self._db, req.run_id, req.key) if req.key is not None else None
@@ -399,7 +374,7 @@ class SQLiteLedger(base.Ledger):
     async def apply_verdict(
         self, run_id: str, key: str, verdict: base.Verdict
     ) -> base.IdempotencyRecord | None:
-        with transaction(self._db) as db:
+        with transaction(self._db, self._runs) as db:
             record = load_record(self._db, run_id, key)
             if record is None:
                 return None
@@ -422,7 +397,7 @@ class SQLiteLedger(base.Ledger):
             else:
                 # It did not happen: the next attempt executes, and this one is not counted.
                 db.execute("DELETE FROM tool_calls WHERE run_id = ? AND key = ?", (run_id, key))
-                state = load_run(db, run_id)
+                state = self._runs.load(run_id)
                 if state is not None and state.tool_calls_executed > 0:
                     before = base.totals(state)
                     state.tool_calls_executed -= 1
@@ -432,7 +407,7 @@ class SQLiteLedger(base.Ledger):
             return record
 
     async def claim_objects(self, account: str, object_ids: Sequence[str], tenant: str, now: float) -> None:
-        with transaction(self._db) as db:
+        with transaction(self._db, self._runs) as db:  # (no runs written: the rows kept stay)
             db.executemany(
                 "INSERT OR IGNORE INTO provider_objects (account, object_id, tenant, created_at) "
                 "VALUES (?, ?, ?, ?)",

@@ -23,7 +23,7 @@ from proxy.ledger.base import (
     RunState,
     Totals,
     change,
-    partial_state,
+    copy_state,
 )
 from proxy.ledger.repeats import Repeats
 
@@ -238,6 +238,27 @@ def state_to_row(s: RunState) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
+def stored_form(s: RunState) -> RunState:
+    """A copy of `s` as a read of the row it is saved as builds it — `row_to_state(state_to_row(s))`
+    without the round trip through SQLite (runrows.py keeps it): the caps the row stores (no
+    `timeout_s`, resolved into `deadline` when the run was created, nor the per-step
+    `max_context_tokens`), no `child_ids` (`get_run` reads them) nor `tree_deadline` (never
+    stored). The window of repeats is shared: the rules copy it before they change it.
+    `test_stored_form_is_what_a_read_of_the_row_builds` pins the two together."""
+    c = s.caps
+    out = copy_state(s)
+    out.caps = stored_caps(
+        c.max_usd_nanos, c.max_tokens, c.max_steps, c.max_tool_calls, c.deadline, None, None,
+        c.max_repeats, c.max_depth, c.max_children, c.max_tree_steps, c.max_tree_tool_calls,
+    )  # fmt: skip
+    out.cancelled = bool(s.cancelled)
+    out.child_ids = ()
+    out.tree_deadline = None
+    if not s.repeats:
+        out.repeats = Repeats()  # an empty window is stored as nothing
+    return out
+
+
 def _tree_column(s: RunState) -> str:
     """A run's `tree` column: the JSON array of `tree_values` without the subtree totals (which
     have columns of their own); '' for a run in no tree and without tree caps (`tree_values`)."""
@@ -260,81 +281,6 @@ def _add_to_ancestors(n: int) -> str:
     """The statement adding a change to `n` ancestors (made once per depth)."""
     added = ", ".join(f"{name} = {name} + ?" for name in SUB_COLUMNS)
     return f"UPDATE runs SET {added}, updated_at = MAX(updated_at, ?) WHERE run_id IN ({', '.join('?' * n)})"
-
-
-# What a call of a sub-run checks of each ancestor (`base._tree_view`, `check_tree_live`, and a new
-# child's `open_run` beyond its parent): its dollar, token, depth and tree caps, deadline, totals,
-# subtree totals, status and cancel flag — the tree caps out of its `tree` column (`_parse_tree`).
-_ANCESTOR_COLUMNS = (
-    "run_id, status, cancelled, max_usd, max_tokens, deadline, spent_usd, input_tokens, output_tokens, "
-    "steps, tool_calls_requested, tool_calls_executed, reserved_usd, reserved_tokens, "
-    + ", ".join(SUB_COLUMNS)
-    + ", tree"
-)
-
-
-_ancestor = partial_state(
-    (
-        "run_id", "status", "cancelled", "caps", "spent_usd_nanos", "input_tokens", "output_tokens", "steps",
-        "tool_calls_requested", "tool_calls_executed", "reserved_usd_nanos", "reserved_tokens",
-        "sub_spent_usd_nanos", "sub_reserved_usd_nanos", "sub_tokens", "sub_reserved_tokens", "sub_steps",
-        "sub_tool_calls", "repeats",
-    )
-)  # fmt: skip
-# An ancestor's repeats are never read by a call of its descendant (nor changed: the rules copy a
-# window before they change it), so the partial states share one empty window.
-_NO_REPEATS = Repeats()
-
-
-def _ancestor_of(r: tuple[Any, ...]) -> RunState:
-    """An `_ANCESTOR_COLUMNS` row as a partial state (no task, tree links, repeats...): never
-    saved whole — what a call changes in it is written by `add_change` and `save_statuses`."""
-    _, _, _, _, depth, _, tree_steps, tree_calls = _parse_tree(r[20]) if r[20] else _NO_TREE_FIELDS
-    caps = stored_caps(r[3], r[4], None, None, r[5], None, None, None, depth, None, tree_steps, tree_calls)
-    return _ancestor(r[0], r[1], bool(r[2]), caps, *r[6:20], _NO_REPEATS)
-
-
-def load_ancestors(db: sqlite3.Connection, run_ids: Sequence[str]) -> list[RunState | None]:
-    """A run's ancestors as a call of the run checks them (`_ancestor_of`), in one narrow
-    statement; None for one that expired."""
-    rows = db.execute(
-        f"SELECT {_ANCESTOR_COLUMNS} FROM runs WHERE run_id IN ({', '.join('?' * len(run_ids))})",
-        tuple(run_ids),
-    ).fetchall()
-    found = {r[0]: _ancestor_of(r) for r in rows}
-    return [found.get(run_id) for run_id in run_ids]
-
-
-@functools.cache
-def _chain_sql(n: int) -> str:
-    """A run's row, whole, and `n` ancestors' `_ANCESTOR_COLUMNS` (padded to as many columns),
-    in one statement (made once per depth)."""
-    pad = ", NULL" * (COLUMNS.count(",") - _ANCESTOR_COLUMNS.count(","))
-    return (
-        f"SELECT {COLUMNS} FROM runs WHERE run_id = ? UNION ALL "
-        f"SELECT {_ANCESTOR_COLUMNS}{pad} FROM runs WHERE run_id IN ({', '.join('?' * n)})"
-    )
-
-
-def load_chain(
-    db: sqlite3.Connection, run_id: str, ancestors: Sequence[str]
-) -> tuple[RunState | None, list[RunState | None]]:
-    """A run, and its ancestors as its calls check them, in one statement — given what the caller
-    believes its ancestors are (a run's are fixed when it is created). What the stored run names
-    is what counts: when it names others (it expired and was opened again elsewhere in a tree),
-    they are read as `load_ancestors` does; none for a run that is not stored."""
-    rows = db.execute(_chain_sql(len(ancestors)), (run_id, *ancestors)).fetchall()
-    state, found = None, {}
-    for r in rows:
-        if r[0] == run_id:  # (a run is never its own ancestor)
-            state = row_to_state(r)
-        else:
-            found[r[0]] = _ancestor_of(r)
-    if state is None:
-        return None, []
-    if state.ancestors != tuple(ancestors):
-        return state, load_ancestors(db, state.ancestors) if state.ancestors else []
-    return state, [found.get(a) for a in ancestors]
 
 
 def save_statuses(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:

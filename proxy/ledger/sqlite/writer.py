@@ -33,7 +33,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from proxy.errors import Rejection
 from proxy.ledger.base import IdempotencyRecord, Reservation
@@ -51,37 +51,76 @@ T = TypeVar("T")
 _Op = tuple[Callable[[], object], "asyncio.Future[Any]"]
 
 
-def rollback(db: sqlite3.Connection) -> None:
+class Hooks(Protocol):
+    """What follows a transaction's life (runrows.py: the rows kept between transactions)."""
+
+    def begin(self) -> None:
+        """The write lock is held; nothing is read yet."""
+
+    def committed(self) -> None: ...
+
+    def rolled_back(self) -> None:
+        """The transaction, or part of it (a savepoint), was undone, or its COMMIT failed."""
+
+
+class _NoHooks:
+    def begin(self) -> None:
+        pass
+
+    def committed(self) -> None:
+        pass
+
+    def rolled_back(self) -> None:
+        pass
+
+
+NO_HOOKS: Hooks = _NoHooks()
+
+
+def rollback(db: sqlite3.Connection, hooks: Hooks = NO_HOOKS) -> None:
+    hooks.rolled_back()
     if db.in_transaction:
         with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled it back itself
             db.execute("ROLLBACK")
 
 
-def commit(db: sqlite3.Connection) -> None:
+def commit(db: sqlite3.Connection, hooks: Hooks = NO_HOOKS) -> None:
     try:
         db.execute("COMMIT")
     except BaseException:
-        rollback(db)  # a failed COMMIT (disk full, I/O error) may leave the transaction open
+        rollback(db, hooks)  # a failed COMMIT (disk full, I/O error) may leave the transaction open
+        raise
+    hooks.committed()
+
+
+def begin(db: sqlite3.Connection, hooks: Hooks = NO_HOOKS) -> None:
+    if db.in_transaction:  # left open by a COMMIT that failed (disk full): never build on it
+        rollback(db, hooks)
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        hooks.begin()
+    except BaseException:
+        rollback(db, hooks)
         raise
 
 
 @contextlib.contextmanager
-def transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def transaction(db: sqlite3.Connection, hooks: Hooks = NO_HOOKS) -> Iterator[sqlite3.Connection]:
     """BEGIN IMMEDIATE ... COMMIT. A `Rejection` commits too (the run's new status, or the
-    record turned unknown, is part of the answer); any other error rolls back."""
-    if db.in_transaction:  # left open by a COMMIT that failed (disk full): never build on it
-        rollback(db)
-    db.execute("BEGIN IMMEDIATE")
+    record turned unknown, is part of the answer); any other error rolls back. `hooks` learn
+    each step (a transaction whose writes to `runs` do not all go through `hooks`' `RunRows`
+    must not pass them: runrows.py)."""
+    begin(db, hooks)
     try:
         yield db
     except Rejection:
-        commit(db)
+        commit(db, hooks)
         raise
     except BaseException:
-        rollback(db)
+        rollback(db, hooks)
         raise
     else:
-        commit(db)
+        commit(db, hooks)
 
 
 class _OneFailed(Exception):
@@ -91,8 +130,9 @@ class _OneFailed(Exception):
 class GroupCommit:
     """The request path's operations, batched into one transaction per event-loop turn."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, hooks: Hooks = NO_HOOKS) -> None:
         self._db = db
+        self._hooks = hooks
         # Operations waiting for the next batched transaction (`flush`), and reservations
         # committed for callers that were gone by then (`drain_in_doubt`).
         self._batch: list[_Op] = []
@@ -110,7 +150,7 @@ class GroupCommit:
         if not self._batch and self.open < BATCH_FROM_OPEN:
             # Hardly any call in flight here: no other operation is likely to join this turn's
             # batch, so a transaction of its own now is cheaper than waiting for the next turn.
-            with transaction(self._db):
+            with transaction(self._db, self._hooks):
                 return op()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
@@ -167,11 +207,9 @@ class GroupCommit:
     ) -> list[tuple[asyncio.Future[Any], object, BaseException | None]]:
         """One transaction for `ops`, in order. Returns each one's result or exception, once
         COMMIT succeeded; raises when the transaction failed (rolled back)."""
-        db = self._db
+        db, hooks = self._db, self._hooks
         outcomes: list[tuple[asyncio.Future[Any], object, BaseException | None]] = []
-        if db.in_transaction:  # left open by a COMMIT that failed: never build on it
-            rollback(db)
-        db.execute("BEGIN IMMEDIATE")
+        begin(db, hooks)
         try:
             for op, fut in ops:
                 if isolate:
@@ -188,15 +226,16 @@ class GroupCommit:
                             raise _OneFailed from e
                         raise
                     db.execute("ROLLBACK TO op")
+                    hooks.rolled_back()
                     outcomes.append((fut, None, e))
                 else:
                     outcomes.append((fut, value, None))
                 if isolate:
                     db.execute("RELEASE op")
         except BaseException:
-            rollback(db)
+            rollback(db, hooks)
             raise
-        commit(db)
+        commit(db, hooks)
         return outcomes
 
 

@@ -204,7 +204,10 @@ async def test_a_reservation_waits_for_its_replica(tmp_path) -> None:  # type: i
     frozen, refused as 503 `ledger_replicas_behind` naming the setting — never forwarded."""
     primary = RedisServer().start()
     replica = RedisServer(extra=("--replicaof", "127.0.0.1", str(primary.port))).start()
-    led = RedisLedger(primary.url, prefix="w:", wait_replicas=1, wait_timeout_s=0.2)
+    # WAIT's timeout: long enough for a replica that keeps up on a loaded machine (at 0.2 s the
+    # first acknowledged write once fell short under the suite's load), short enough for the
+    # frozen replica's three refusals below.
+    led = RedisLedger(primary.url, prefix="w:", wait_replicas=1, wait_timeout_s=1.0)
     guarded = GuardedLedger(led, timeout_s=2.0)
     try:
         # Until the replica acknowledges writes (readiness's own probe: a write and its WAIT) —
