@@ -46,7 +46,9 @@ from proxy.ledger.sqlite.schema import (
     stored_form,
 )
 
-RUNS_KEPT = 16384
+# ~1 KB a run: 4,096 runs (~4 MB) cover the runs with calls in flight of a busy process; beyond,
+# all are forgotten at the next transaction (and read again as needed).
+RUNS_KEPT = 4096
 
 
 class RunRows:
