@@ -122,6 +122,19 @@ TARGETS: dict[str, Target] = {
         ),
         what="caps, reservations, settlement, recovery, idempotency, run trees (Redis runs them too)",
     ),
+    "run-rows": Target(
+        "proxy/ledger/sqlite/runrows.py",
+        # (the replay of random operations against the file, and the SQLite ledger's contract,
+        # run-tree and rules tests through it)
+        (
+            "tests/unit/ledger/test_sqlite_run_rows.py",
+            "tests/unit/ledger/test_ledger_contract.py",
+            "tests/unit/ledger/test_run_trees.py",
+            "-k",
+            "test_sqlite_run_rows or sqlite",
+        ),
+        what="the SQLite ledger's kept runs (a stale one would let a call past its ceiling)",
+    ),
     "context": Target(
         "proxy/server/steps/context.py",
         # (the span-recording test needs the embedded span store, which mutmut's forked runs lack)
