@@ -77,7 +77,6 @@ class RunRows:
 
     def rolled_back(self) -> None:
         self._kept.clear()
-        self._changes = -1
 
     # -- reads: inside a transaction -------------------------------------------------------------
 
@@ -147,6 +146,7 @@ class RunRows:
         """`schema.save_statuses`: the status of each of `states`, in the file and in the runs kept."""
         save_statuses(self._db, states)
         for s in states:
-            node = None if s is None else self._kept.get(s.run_id)
-            if s is not None and node is not None:
-                node.status = s.status
+            if s is not None:
+                node = self._kept.get(s.run_id)
+                if node is not None:
+                    node.status = s.status
