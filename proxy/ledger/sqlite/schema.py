@@ -272,10 +272,6 @@ def _tree_column(s: RunState) -> str:
     return _encode_tree(fields)
 
 
-def save_runs(db: sqlite3.Connection, states: Sequence[RunState | None]) -> None:
-    db.executemany(UPSERT, [state_to_row(s) for s in states if s is not None])
-
-
 @functools.cache
 def _add_to_ancestors(n: int) -> str:
     """The statement adding a change to `n` ancestors (made once per depth)."""
