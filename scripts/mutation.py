@@ -112,6 +112,7 @@ TARGETS: dict[str, Target] = {
             "x_check_tree_live*",
             "x_totals*",
             "x_propagate*",
+            "x_add_to_subtrees*",
             "x_in_tree*",
             "x__tree_view*",
             "x__decide_tree_step*",

@@ -39,7 +39,7 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from typing import Any
@@ -985,10 +985,15 @@ def change(before: Totals, state: RunState) -> Totals | None:
 def propagate(before: Totals, state: RunState, chain: Sequence[RunState | None], now: float) -> None:
     """Add what changed in `state`'s totals since `before` to every ancestor's subtree totals."""
     delta = change(before, state)
-    if delta is None:
-        return
+    if delta is not None:
+        add_to_subtrees(chain, delta, now)
+
+
+def add_to_subtrees(nodes: Iterable[RunState | None], delta: Totals, now: float) -> None:
+    """`delta` added to each node's subtree totals and its `updated_at` moved to `now` (None: an
+    ancestor that expired) — what every ancestor of a run takes of its change."""
     usd, res_usd, tokens, res_tokens, steps, tool_calls = delta
-    for node in chain:
+    for node in nodes:
         if node is None:
             continue
         node.sub_spent_usd_nanos += usd

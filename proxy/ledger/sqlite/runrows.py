@@ -35,12 +35,14 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 
-from proxy.ledger.base import RunState, Totals, change, copy_state
+from proxy.ledger.base import RunState, Totals, add_to_subtrees, change, copy_state
 from proxy.ledger.sqlite.schema import (
     COLUMNS,
     UPSERT,
     add_change,
+    load_run,
     row_to_state,
+    save_run,
     save_statuses,
     state_to_row,
     stored_form,
@@ -83,10 +85,10 @@ class RunRows:
     def load(self, run_id: str) -> RunState | None:
         state = self._kept.get(run_id)
         if state is None:
-            row = self._db.execute(f"SELECT {COLUMNS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None:
+            state = load_run(self._db, run_id)
+            if state is None:
                 return None
-            state = self._kept[run_id] = row_to_state(row)
+            self._kept[run_id] = state
         return copy_state(state)
 
     def load_many(self, run_ids: Sequence[str]) -> list[RunState | None]:
@@ -109,7 +111,7 @@ class RunRows:
     # -- writes: the statement, and the same change to the runs kept -----------------------------
 
     def save(self, state: RunState) -> None:
-        self._db.execute(UPSERT, state_to_row(state))
+        save_run(self._db, state)
         self._kept[state.run_id] = stored_form(state)
 
     def save_many(self, states: Sequence[RunState]) -> None:
@@ -130,17 +132,7 @@ class RunRows:
         if delta is None or not ancestors:
             return
         add_change(self._db, ancestors, delta, now)
-        usd, res_usd, tokens, res_tokens, steps, tool_calls = delta
-        for run_id in ancestors:
-            node = self._kept.get(run_id)
-            if node is not None:
-                node.sub_spent_usd_nanos += usd
-                node.sub_reserved_usd_nanos += res_usd
-                node.sub_tokens += tokens
-                node.sub_reserved_tokens += res_tokens
-                node.sub_steps += steps
-                node.sub_tool_calls += tool_calls
-                node.updated_at = max(node.updated_at, now)
+        add_to_subtrees((self._kept.get(run_id) for run_id in ancestors), delta, now)
 
     def set_statuses(self, states: Sequence[RunState | None]) -> None:
         """`schema.save_statuses`: the status of each of `states`, in the file and in the runs kept."""
